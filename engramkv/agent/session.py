@@ -1,0 +1,203 @@
+"""A session: one token stream with its episodic memory, and the calls people make on it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engramkv.agent.engine import EpisodicState
+from engramkv.agent.results import IngestReport, RecalledEvent
+from engramkv.config import EngineConfig
+from engramkv.errors import EmptyInputError, InputError
+from engramkv.memory.events import EventMemory, InMemoryEventMemory
+
+if TYPE_CHECKING:
+    from engramkv.agent.model import EpisodicLM
+
+ProgressCallback = Callable[[int, int], None]  # (tokens ingested so far, events sealed so far)
+
+# Text is tokenised in pieces of about this many characters, cut at whitespace, so a
+# stream never has to be held whole.
+_TOKENIZE_PIECE_CHARS = 16_384
+
+
+class Session:
+    """Reads a stream, remembers it as events, answers from it. Create with `EpisodicLM.session()`."""
+
+    def __init__(self, lm: EpisodicLM, cfg: EngineConfig, memory: EventMemory | None = None):
+        self.lm = lm
+        self.cfg = cfg
+        spec = lm.spec
+        memory_dtype = getattr(torch, cfg.recall.memory_dtype)
+        self.memory = memory or InMemoryEventMemory(spec.num_layers, spec.num_kv_heads, spec.head_dim, memory_dtype)
+        self.state = EpisodicState(lm.model, lm.rope, spec, cfg, self.memory)
+        self._pending: list[int] = []  # tokens waiting to fill a chunk
+        self._chat_history: list[dict[str, str]] = []
+
+    # ------------------------------------------------------------------ ingest
+    def ingest(self, text: str | Iterable[str], progress: ProgressCallback | None = None) -> IngestReport:
+        """Read `text` (a string, or an iterable of string pieces) into the stream."""
+        started, tokens_before, events_before = time.perf_counter(), self.state.n_tokens, self.state.events_sealed
+        pieces: Iterable[str] = [text] if isinstance(text, str) else text
+        for ids in self._tokenize_stream(pieces):
+            self.ingest_ids(ids, progress)
+        self._flush(progress)
+        ingested = self.state.n_tokens - tokens_before
+        if ingested == 0:
+            raise EmptyInputError("nothing to ingest: the input holds no tokens")
+        return IngestReport(
+            tokens=ingested, events_sealed=self.state.events_sealed - events_before,
+            seconds=time.perf_counter() - started,
+        )
+
+    def ingest_ids(self, token_ids: list[int], progress: ProgressCallback | None = None) -> None:
+        """Append token ids to the stream; full chunks are processed now, the rest waits for `_flush`."""
+        self._pending.extend(token_ids)
+        chunk = self.cfg.window.chunk_size
+        while len(self._pending) >= chunk:
+            self._run_chunk(self._pending[:chunk], progress)
+            del self._pending[:chunk]
+
+    def _flush(self, progress: ProgressCallback | None = None) -> None:
+        if self._pending:
+            self._run_chunk(self._pending, progress)
+            self._pending = []
+
+    def _run_chunk(self, ids: list[int], progress: ProgressCallback | None) -> None:
+        self.state.step(torch.tensor(ids, dtype=torch.long), mode="ingest")
+        if progress is not None:
+            progress(self.state.n_tokens, self.state.events_sealed)
+
+    def _tokenize_stream(self, pieces: Iterable[str]) -> Iterator[list[int]]:
+        tokenizer = self.lm.tokenizer
+        carry = ""
+        for piece in pieces:
+            if not isinstance(piece, str):
+                raise InputError(f"ingest takes str or an iterable of str, got {type(piece).__name__}")
+            carry += piece
+            while len(carry) >= _TOKENIZE_PIECE_CHARS:
+                cut = _last_whitespace(carry, _TOKENIZE_PIECE_CHARS)
+                yield tokenizer.encode(carry[:cut], add_special_tokens=False)
+                carry = carry[cut:]
+        if carry:
+            yield tokenizer.encode(carry, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt: str, max_new_tokens: int | None = None) -> str:
+        """Raw continuation of everything ingested, then `prompt`."""
+        return "".join(self._generate_text(self._encode(prompt), max_new_tokens, stop_ids=self._stop_ids()))
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> list[int]:
+        """Greedy/temperature continuation on token ids; returns the new ids (stops at EOS)."""
+        return list(self._generate(prompt_ids, max_new_tokens, stop_ids=self._stop_ids()))
+
+    def chat(self, message: str, stream: bool = False, max_new_tokens: int | None = None) -> Any:
+        """One chat turn with the model's template; returns the reply, or an iterator of pieces if `stream`."""
+        pieces = self._chat_pieces(message, max_new_tokens)
+        return pieces if stream else "".join(pieces)
+
+    def _chat_pieces(self, message: str, max_new_tokens: int | None) -> Iterator[str]:
+        tokenizer = self.lm.tokenizer
+        if not message.strip():
+            raise EmptyInputError("empty chat message")
+        turn = {"role": "user", "content": message}
+        rendered_before = (
+            tokenizer.apply_chat_template(self._chat_history, tokenize=False) if self._chat_history else ""
+        )
+        rendered = tokenizer.apply_chat_template(self._chat_history + [turn], add_generation_prompt=True, tokenize=False)
+        delta = rendered[len(rendered_before) :] if rendered.startswith(rendered_before) else rendered
+        reply: list[str] = []
+        for piece in self._generate_text(self._encode(delta), max_new_tokens, stop_ids=self._stop_ids()):
+            reply.append(piece)
+            yield piece
+        self._chat_history += [turn, {"role": "assistant", "content": "".join(reply)}]
+
+    def _generate_text(self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids: set[int]) -> Iterator[str]:
+        tokenizer = self.lm.tokenizer
+        generated: list[int] = []
+        emitted = ""
+        for token in self._generate(prompt_ids, max_new_tokens, stop_ids):
+            generated.append(token)
+            text = tokenizer.decode(generated, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                continue
+            if len(text) > len(emitted):
+                yield text[len(emitted) :]
+                emitted = text
+
+    def _generate(self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids: set[int]) -> Iterator[int]:
+        if not prompt_ids and self.state.n_tokens == 0 and not self._pending:
+            raise EmptyInputError("nothing to continue: empty prompt and empty session")
+        limit = max_new_tokens if max_new_tokens is not None else self.cfg.generation.max_new_tokens
+        self._pending.extend(prompt_ids)
+        self._flush()
+        generator = torch.Generator().manual_seed(self.cfg.generation.seed)
+        logits = self.state.last_logits
+        for _ in range(limit):
+            assert logits is not None
+            token = self._pick(logits, generator)
+            logits = self.state.step(torch.tensor([token]), mode="decode")[-1]
+            if token in stop_ids:
+                return
+            yield token
+
+    def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> int:
+        temperature = self.cfg.generation.temperature
+        if temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def _stop_ids(self) -> set[int]:
+        eos = self.lm.tokenizer.eos_token_id
+        return {eos} if eos is not None else set()
+
+    def _encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InputError(f"expected str, got {type(text).__name__}")
+        return list(self.lm.tokenizer.encode(text, add_special_tokens=False))
+
+    # ------------------------------------------------------------------ recall
+    def recall(self, query: str, k: int = 5) -> list[RecalledEvent]:
+        """The `k` events that best match `query`: scores are z-scored per layer, averaged over layers."""
+        ids = self._encode(query)
+        if not ids:
+            raise EmptyInputError("empty recall query")
+        n_events = len(self.memory)
+        if n_events == 0:
+            return []
+        self._flush()
+        queries = self.state.probe(torch.tensor(ids, dtype=torch.long))
+        total = torch.zeros(n_events)
+        for layer, query in enumerate(queries):
+            event_ids, scores = self.memory.search(layer, query, k=n_events)
+            s = torch.tensor(scores)
+            z = (s - s.mean()) / s.std().clamp(min=1e-6) if s.numel() > 1 else s * 0
+            total[torch.tensor(event_ids)] += z
+        total /= len(queries)
+        best = torch.topk(total, min(k, n_events))
+        results = []
+        for event_id, score in zip(best.indices.tolist(), best.values.tolist()):
+            event = self.memory.event(event_id)
+            text = self.lm.tokenizer.decode(self.state.text_tokens(event.start, event.end))
+            results.append(RecalledEvent(
+                event_id=event_id, text=text, token_start=event.start, token_end=event.end, score=score,
+            ))
+        return results
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def tokens_ingested(self) -> int:
+        return self.state.n_tokens + len(self._pending)
+
+    @property
+    def events(self) -> int:
+        return len(self.memory)
+
+
+def _last_whitespace(text: str, limit: int) -> int:
+    cut = max(text.rfind(" ", 0, limit), text.rfind("\n", 0, limit))
+    return cut + 1 if cut > 0 else limit

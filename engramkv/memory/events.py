@@ -1,0 +1,131 @@
+"""The Event record and the event memory interface, with its in-process implementation.
+
+An event is a contiguous span of the token stream, sealed when it leaves the local
+window. Its KV (pre-RoPE keys, values) for every layer and one representative vector
+per layer go into an `EventMemory`. The tiered persistent store implements the same
+protocol; the engine only talks to this interface.
+
+Event ids are consecutive integers in stream order, so id ± d are temporal neighbours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    id: int
+    start: int  # first token (global stream index)
+    end: int  # one past the last token
+    surprise_mean: float
+    surprise_max: float
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+class EventMemory(Protocol):
+    """Where sealed events live. Keys are pre-RoPE; shapes per layer are (Hkv, L, D)."""
+
+    def add(
+        self,
+        event: Event,
+        keys: torch.Tensor,  # (layers, Hkv, L, D)
+        values: torch.Tensor,  # (layers, Hkv, L, D)
+        representatives: torch.Tensor,  # (layers, Hkv * D)
+    ) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def event(self, event_id: int) -> Event: ...
+
+    def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        """Top-k event ids by inner product of `query` (Hkv * D,) with the layer's representatives."""
+        ...
+
+    def gather(self, layer: int, event_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `event_ids` (in the given order), concatenated: (Hkv, M, D) each."""
+        ...
+
+    @property
+    def kv_bytes(self) -> int: ...
+
+
+class _GrowingBuffer:
+    """A tensor growing along one dim with capacity doubling (amortised O(1) appends)."""
+
+    def __init__(self, shape_before: tuple[int, ...], shape_after: tuple[int, ...], dtype: torch.dtype):
+        self.before, self.after, self.dtype = shape_before, shape_after, dtype
+        self.data = torch.empty((*shape_before, 64, *shape_after), dtype=dtype)
+        self.size = 0
+
+    @property
+    def dim(self) -> int:
+        return len(self.before)
+
+    def append(self, block: torch.Tensor) -> None:
+        n = block.shape[self.dim]
+        capacity = self.data.shape[self.dim]
+        if self.size + n > capacity:
+            new_capacity = max(2 * capacity, self.size + n)
+            grown = torch.empty((*self.before, new_capacity, *self.after), dtype=self.dtype)
+            grown.narrow(self.dim, 0, self.size).copy_(self.data.narrow(self.dim, 0, self.size))
+            self.data = grown
+        self.data.narrow(self.dim, self.size, n).copy_(block)
+        self.size += n
+
+    def view(self) -> torch.Tensor:
+        return self.data.narrow(self.dim, 0, self.size)
+
+
+class InMemoryEventMemory:
+    """All events in host RAM: one growing KV buffer per layer, representatives in one matrix per layer."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16):
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.events: list[Event] = []
+        self._offsets: list[int] = []  # start of each event in the KV buffers
+        self._keys = [_GrowingBuffer((num_kv_heads,), (head_dim,), dtype) for _ in range(num_layers)]
+        self._values = [_GrowingBuffer((num_kv_heads,), (head_dim,), dtype) for _ in range(num_layers)]
+        self._reps = [_GrowingBuffer((), (num_kv_heads * head_dim,), torch.float32) for _ in range(num_layers)]
+
+    def add(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor) -> None:
+        if event.id != len(self.events):
+            raise ValueError(f"event ids must be consecutive: expected {len(self.events)}, got {event.id}")
+        self._offsets.append(self._keys[0].size)
+        for layer in range(self.num_layers):
+            self._keys[layer].append(keys[layer].to(self.dtype))
+            self._values[layer].append(values[layer].to(self.dtype))
+            self._reps[layer].append(representatives[layer : layer + 1].float())
+        self.events.append(event)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def event(self, event_id: int) -> Event:
+        return self.events[event_id]
+
+    def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        if not self.events or k <= 0:
+            return [], []
+        scores = self._reps[layer].view() @ query.float()  # (N,)
+        top = torch.topk(scores, min(k, scores.shape[0]))
+        return top.indices.tolist(), top.values.tolist()
+
+    def gather(self, layer: int, event_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        spans = [torch.arange(self._offsets[i], self._offsets[i] + self.events[i].length) for i in event_ids]
+        index = torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)  # (M,)
+        keys = self._keys[layer].view().index_select(1, index)  # (Hkv, M, D)
+        values = self._values[layer].view().index_select(1, index)  # (Hkv, M, D)
+        return keys, values
+
+    @property
+    def kv_bytes(self) -> int:
+        per_layer = [b.view().numel() * b.view().element_size() for b in self._keys + self._values]
+        return sum(per_layer)

@@ -1,0 +1,71 @@
+"""Graph-theoretic refinement of event boundaries (EM-LLM).
+
+The graph: tokens are nodes, edge weights are A = relu(K K^T) with a zero diagonal,
+where K concatenates the pre-RoPE keys of the upper layers and all KV heads (so A is the
+sum over those layers and heads of per-head key similarity). Negative similarities are
+clipped because modularity and conductance are defined for non-negative weights, and
+the diagonal is zeroed so no self-loop conventions leak in.
+
+For a boundary b between the previous (already refined) boundary a and the next
+boundary c, each candidate split p in [a + min_event, b] (and no earlier than c - max_event, so
+the next event stays within max_event) cuts the nodes [a, c) into
+[a, p) and [p, c). We score every candidate with 2-D prefix sums over A, O(1) each:
+
+    modularity(p)  = (W11 + W22) / 2m - (d1 / 2m)^2 - (d2 / 2m)^2     (maximised)
+    conductance(p) = W12 / min(d1, d2)                                   (minimised)
+
+with W_ij the block sums of A, d_i the degree sums and 2m = sum(A). These are exactly
+networkx's `modularity` and `conductance` for the two communities (tests check it).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+
+def similarity_graph(keys: torch.Tensor) -> torch.Tensor:  # keys (T, F) -> (T, T)
+    a = (keys.double() @ keys.double().T).clamp(min=0)  # (T, T)
+    a.fill_diagonal_(0)
+    return a
+
+
+def split_scores(adjacency: torch.Tensor, metric: Literal["modularity", "conductance"]) -> torch.Tensor:
+    """Score of cutting nodes [0, n) into [0, p) and [p, n), for every p in 0..n (higher is better)."""
+    n = adjacency.shape[0]
+    prefix = torch.zeros(n + 1, n + 1, dtype=torch.float64)
+    prefix[1:, 1:] = adjacency.double().cumsum(0).cumsum(1)  # prefix[i, j] = sum A[:i, :j]
+    p = torch.arange(n + 1)
+    w11 = prefix[p, p]  # block [0,p) x [0,p)
+    total = prefix[n, n]
+    row = prefix[p, n]  # rows [0,p), all columns = d1
+    d1 = row
+    d2 = total - d1
+    w12 = d1 - w11  # [0,p) x [p,n)
+    w22 = total - 2 * w12 - w11
+    if metric == "modularity":
+        two_m = total.clamp(min=1e-12)
+        return (w11 + w22) / two_m - (d1 / two_m) ** 2 - (d2 / two_m) ** 2
+    smaller = torch.minimum(d1, d2)
+    conductance = torch.where(smaller > 0, w12 / smaller.clamp(min=1e-12), torch.full_like(w12, float("inf")))
+    return -conductance
+
+
+def refine_boundary(
+    adjacency: torch.Tensor,  # (n, n) over nodes [a, c)
+    boundary: int,  # b - a, the current split inside the node range
+    min_split: int,
+    metric: Literal["modularity", "conductance"],
+) -> int:
+    """Best split p in [min_split, boundary] (relative to a); the boundary itself if there is no candidate."""
+    n = adjacency.shape[0]
+    lo = max(1, min_split)
+    hi = min(boundary, n - 1)
+    if hi < lo:
+        return boundary
+    scores = split_scores(adjacency, metric)[lo : hi + 1]  # (hi - lo + 1,)
+    if not torch.isfinite(scores).any():
+        return boundary
+    best = int(torch.argmax(torch.nan_to_num(scores, neginf=-1e300)))
+    return lo + best

@@ -1,0 +1,66 @@
+"""Online event boundaries from surprise.
+
+Convention: a boundary is the index of the *first token of a new event* (the surprising
+token opens the event it belongs to). Token t is a candidate when
+    s_t > mean + gamma * std   over the surprise of the `window` tokens before t.
+Candidates closer than `min_event` to the current event start are dropped (the short
+piece merges forward into the running event); an event reaching `max_event` tokens is
+cut there. Uniform mode ignores surprise and cuts every `uniform_size` tokens.
+
+The segmenter only sees surprise values in stream order, chunk by chunk, and emits
+boundaries as global token indices. Boundaries are final as emitted; the graph
+refinement may later move them before events are sealed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from engramkv.config import SegmentationConfig
+
+
+class OnlineSegmenter:
+    def __init__(self, cfg: SegmentationConfig, window: int, start: int = 0):
+        self.cfg = cfg
+        self.window = window
+        self.history: deque[float] = deque(maxlen=window)  # trailing surprise
+        self.event_start = start  # first token of the running event
+        self.position = start  # global index of the next token to be seen
+
+    def push(self, surprise: torch.Tensor) -> list[int]:
+        """Consume the surprise of the next tokens; return the boundaries they open."""
+        values = surprise.double().tolist()
+        if self.cfg.mode == "uniform":
+            candidates = [False] * len(values)
+        else:
+            candidates = self._candidates(values)
+        boundaries = []
+        for offset, is_candidate in enumerate(candidates):
+            t = self.position + offset
+            length = t - self.event_start
+            if (is_candidate and length >= self.cfg.min_event) or length >= self._max_length():
+                boundaries.append(t)
+                self.event_start = t
+        self.position += len(values)
+        self.history.extend(values)
+        return boundaries
+
+    def _max_length(self) -> int:
+        return self.cfg.uniform_size if self.cfg.mode == "uniform" else self.cfg.max_event
+
+    def _candidates(self, values: list[float]) -> list[bool]:
+        # Trailing mean/std for every token of the chunk with one cumulative sum over history + chunk.
+        seq = torch.tensor(list(self.history) + values, dtype=torch.float64)  # (Hist + T,)
+        first = len(self.history)
+        csum = torch.cat([seq.new_zeros(1), seq.cumsum(0)])
+        csq = torch.cat([seq.new_zeros(1), (seq * seq).cumsum(0)])
+        idx = torch.arange(first, len(seq))  # positions of this chunk's tokens in seq
+        lo = (idx - self.window).clamp(min=0)
+        n = (idx - lo).double()
+        mean = (csum[idx] - csum[lo]) / n.clamp(min=1)
+        var = ((csq[idx] - csq[lo]) / n.clamp(min=1) - mean * mean).clamp(min=0)
+        threshold = mean + self.cfg.gamma * var.sqrt()
+        # Too little history to judge (fewer than 2 tokens): no boundary.
+        return ((seq[idx] > threshold) & (n >= 2)).tolist()

@@ -1,0 +1,66 @@
+"""Two-stage recall: similarity top-k under a token budget, then temporal contiguity.
+
+Stage 1 takes events in descending representative score until (1 - contiguity_fraction)
+of the budget is spent. Stage 2 spends the rest on temporal neighbours of the hits,
+nearest first (id+1 before id-1: what follows a match usually completes it), best hit
+first, and then on the hits of earlier steps (the contiguity buffer). The result is
+sorted chronologically, which is the order the attention window wants.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from engramkv.config import RecallConfig
+from engramkv.memory.events import EventMemory
+
+MAX_NEIGHBOUR_DISTANCE = 8
+
+
+def select_events(
+    memory: EventMemory,
+    layer: int,
+    query: torch.Tensor,  # (Hkv * D,)
+    cfg: RecallConfig,
+    min_event: int,
+    buffer: deque[int] | None = None,
+) -> list[int]:
+    if len(memory) == 0 or cfg.budget_tokens == 0:
+        return []
+    similarity_budget = int(cfg.budget_tokens * (1 - cfg.contiguity_fraction))
+    candidates, _ = memory.search(layer, query, k=max(1, cfg.budget_tokens // min_event))
+    chosen: set[int] = set()
+    hits: list[int] = []
+    used = 0
+    for event_id in candidates:
+        length = memory.event(event_id).length
+        if used + length <= similarity_budget:
+            chosen.add(event_id)
+            hits.append(event_id)
+            used += length
+    if not hits and candidates:  # the best event alone is larger than the similarity share
+        first = candidates[0]
+        if memory.event(first).length <= cfg.budget_tokens:
+            chosen.add(first)
+            hits.append(first)
+            used += memory.event(first).length
+
+    def take(event_id: int) -> None:
+        nonlocal used
+        if 0 <= event_id < len(memory) and event_id not in chosen:
+            length = memory.event(event_id).length
+            if used + length <= cfg.budget_tokens:
+                chosen.add(event_id)
+                used += length
+
+    for distance in range(1, MAX_NEIGHBOUR_DISTANCE + 1):
+        for hit in hits:
+            take(hit + distance)
+            take(hit - distance)
+    if buffer is not None:
+        for event_id in reversed(buffer):
+            take(event_id)
+        buffer.extend(hits)
+    return sorted(chosen)
