@@ -38,7 +38,7 @@ class WindowConfig(_Strict):
 
     chunk_size: int = Field(default=512, ge=1, description="Tokens per prefill chunk.")
     n_sink: int = Field(default=128, ge=0, description="First tokens of the stream kept in every window.")
-    n_local: int = Field(default=2048, ge=1, description="Most recent tokens kept in the window before sealing.")
+    n_local: int = Field(default=1024, ge=1, description="Most recent tokens kept in the window before sealing.")
 
 
 class SegmentationConfig(_Strict):

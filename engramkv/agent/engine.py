@@ -84,6 +84,7 @@ class EpisodicState:
         self.recall_now = True
         self.decode_steps = 0
         self.events_sealed = 0
+        self._mask_cache: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ attention hook
     def attend(
@@ -102,7 +103,7 @@ class EpisodicState:
         cos, sin = self.rope.cos_sin(positions.to(self.device), like=q)  # (N, D)
         q_rot = self.rope.apply(q, cos[-n_new:], sin[-n_new:])  # (H, C, D)
         k_rot = self.rope.apply(keys, cos, sin)  # (Hkv, N, D)
-        mask = None if n_keys == n_new else lower_right_causal_mask(n_new, n_keys).to(self.device)
+        mask = None if n_keys == n_new else self._mask(n_new, n_keys)
         out = F.scaled_dot_product_attention(
             q_rot[None], k_rot[None], values[None], attn_mask=mask, is_causal=mask is None and n_new > 1,
             scale=scaling, enable_gqa=True,
@@ -112,6 +113,11 @@ class EpisodicState:
             received = self._attention_received(q_rot, k_rot, scaling, n_sink + n_mem)  # (Hkv, L + C)
             self._append(st, k, v, received)
         return out.transpose(1, 2)  # (1, C, H, D)
+
+    def _mask(self, n_queries: int, n_keys: int) -> torch.Tensor:  # (C, N) bool, shared by all layers
+        if self._mask_cache is None or self._mask_cache.shape != (n_queries, n_keys):
+            self._mask_cache = lower_right_causal_mask(n_queries, n_keys).to(self.device)
+        return self._mask_cache
 
     def _recalled(self, layer: int, st: _LayerState, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cfg.recall.enabled or len(self.memory) == 0:
@@ -145,7 +151,7 @@ class EpisodicState:
         s = min(c, self.cfg.representatives.stat_queries)
         probe = q_rot[:, -s:].float().reshape(hkv, (h // hkv) * s, d)  # (Hkv, G*s, D)
         logits = probe @ k_rot.float().transpose(1, 2) * scaling  # (Hkv, G*s, N)
-        visible = lower_right_causal_mask(s, n_keys).to(self.device)  # (s, N)
+        visible = self._mask(s, n_keys)  # (s, N)
         logits = logits.view(hkv, h // hkv, s, n_keys).masked_fill(~visible, float("-inf"))
         weights = logits.softmax(dim=-1).sum(dim=(1, 2))  # (Hkv, N)
         return weights[:, resident_from:].cpu()
@@ -170,7 +176,8 @@ class EpisodicState:
         """Run the model over `token_ids` (T,) and advance the stream; returns the logits (T or 1, V)."""
         self.mode = mode
         if mode == "decode":
-            self.recall_now = self.decode_steps % self.cfg.recall.decode_interval == 0
+            # The prompt's recall stands for the first tokens; refresh every decode_interval after that.
+            self.recall_now = self.decode_steps > 0 and self.decode_steps % self.cfg.recall.decode_interval == 0
             self.decode_steps += 1
         else:
             self.recall_now, self.decode_steps = True, 0

@@ -19,9 +19,9 @@ def token_surprise(
     predictors = logits[:-1]  # (T-1, V) predicts tokens 1..T-1
     if previous_logits is not None:
         predictors = torch.cat([previous_logits[None], predictors], dim=0)  # (T, V)
-    log_probs = torch.log_softmax(predictors, dim=-1)
     targets = token_ids[-predictors.shape[0] :]
-    nll = -log_probs.gather(1, targets[:, None])[:, 0]  # (T or T-1,)
+    # logsumexp - logit: same value as -log_softmax, without writing a (T, V) output.
+    nll = torch.logsumexp(predictors, dim=-1) - predictors.gather(1, targets[:, None])[:, 0]  # (T or T-1,)
     if previous_logits is None:
         nll = torch.cat([nll.new_zeros(1), nll])
     return nll
