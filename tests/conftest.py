@@ -1,0 +1,62 @@
+"""Test seams: tiny random Llama/Qwen2/Mistral models with an integer tokenizer, and the real default model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from engramkv import EngineConfig, EpisodicLM
+
+VOCAB = 256
+
+
+class IntTokenizer:
+    """Text is space-separated integers; enough tokenizer for random models."""
+
+    eos_token_id = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(f" {i}" for i in ids)
+
+
+def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=2048,
+    )
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False)).eval()
+    if arch == "mistral":
+        return MistralForCausalLM(MistralConfig(**common, sliding_window=None)).eval()
+    raise ValueError(arch)
+
+
+def tiny_pair(arch: str, config: EngineConfig) -> tuple[torch.nn.Module, EpisodicLM]:
+    """(untouched reference model, EpisodicLM over a copy of it)."""
+    reference = tiny_model(arch)
+    return reference, EpisodicLM(copy.deepcopy(reference), IntTokenizer(), f"tiny-{arch}", config)
+
+
+@pytest.fixture(scope="session")
+def default_pair() -> tuple[torch.nn.Module, EpisodicLM]:
+    """(plain transformers copy, EpisodicLM) of the embedded SmolLM2-135M-Instruct, loaded once (20-40 s)."""
+    from engramkv.hf import load_pretrained
+
+    config = EngineConfig()
+    model, tokenizer, model_id = load_pretrained(config.model)
+    reference = copy.deepcopy(model)
+    return reference, EpisodicLM(model, tokenizer, model_id, config)
+
+
+@pytest.fixture(scope="session")
+def default_lm(default_pair: tuple[torch.nn.Module, EpisodicLM]) -> EpisodicLM:
+    return default_pair[1]

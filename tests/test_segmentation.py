@@ -1,0 +1,52 @@
+import torch
+
+from engramkv.config import SegmentationConfig
+from engramkv.memory.segmentation import OnlineSegmenter
+from engramkv.memory.surprise import token_surprise
+
+
+def _flat_with_spikes(n, spikes):
+    s = torch.ones(n)
+    s[::2] = 1.2  # a little variance so std > 0
+    for t in spikes:
+        s[t] = 10.0
+    return s
+
+
+def test_surprising_token_opens_an_event():
+    seg = OnlineSegmenter(SegmentationConfig(min_event=4, max_event=1000), window=50)
+    assert seg.push(_flat_with_spikes(100, [30, 70])) == [30, 70]
+
+
+def test_min_event_merges_forward_and_max_event_splits():
+    seg = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=20), window=50)
+    boundaries = seg.push(_flat_with_spikes(60, [10, 13]))
+    assert 13 not in boundaries  # 3 tokens after the previous boundary: too short
+    assert boundaries[0] == 10
+    sizes = [b - a for a, b in zip([0] + boundaries, boundaries + [60])]
+    assert max(sizes) <= 20 and min(sizes[:-1]) >= 8
+
+
+def test_chunking_does_not_change_boundaries():
+    surprise = torch.rand(500, generator=torch.Generator().manual_seed(2)) ** 4 * 10
+    cfg = SegmentationConfig(min_event=8, max_event=64)
+    whole = OnlineSegmenter(cfg, window=100).push(surprise)
+    chunked_seg = OnlineSegmenter(cfg, window=100)
+    chunked = [b for piece in surprise.split(37) for b in chunked_seg.push(piece)]
+    assert whole == chunked and len(whole) > 5
+
+
+def test_uniform_mode_ignores_surprise():
+    seg = OnlineSegmenter(SegmentationConfig(mode="uniform", uniform_size=16), window=50, start=100)
+    assert seg.push(_flat_with_spikes(64, [5, 33])) == [116, 132, 148]
+
+
+def test_surprise_is_the_next_token_nll():
+    logits = torch.randn(6, 11)
+    ids = torch.randint(0, 11, (6,))
+    previous = torch.randn(11)
+    got = token_surprise(logits, ids, previous)
+    predictors = torch.cat([previous[None], logits[:-1]])
+    expected = -torch.log_softmax(predictors, -1)[torch.arange(6), ids]
+    torch.testing.assert_close(got, expected)
+    assert token_surprise(logits, ids, None)[0] == 0  # stream start

@@ -1,0 +1,99 @@
+"""The streaming engine on tiny models: sealing, event coverage, stored keys, bounded window, errors."""
+
+import pytest
+import torch
+
+from engramkv import EmptyInputError, EngineConfig, InputError
+from engramkv.config import RecallConfig, SegmentationConfig, WindowConfig
+
+from conftest import VOCAB, tiny_pair
+
+CFG = EngineConfig(
+    window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
+    recall=RecallConfig(budget_tokens=64),
+    segmentation=SegmentationConfig(min_event=4, max_event=24),
+)
+
+
+def _stream(n, seed=0):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("mode", ["surprise", "uniform"])
+def test_events_tile_the_stream_without_gaps(mode):
+    cfg = CFG.model_copy(update={"segmentation": CFG.segmentation.model_copy(update={"mode": mode, "uniform_size": 16})})
+    _, lm = tiny_pair("llama", cfg)
+    session = lm.session()
+    session.ingest(" ".join(map(str, _stream(700))))
+    events = [session.memory.event(i) for i in range(len(session.memory))]
+    assert events[0].start == 8  # right after the sinks
+    for before, after in zip(events, events[1:]):
+        assert before.end == after.start
+    assert all(4 <= e.length <= 24 for e in events)
+    assert session.state.local_start == events[-1].end
+    local = session.state.n_tokens - session.state.local_start
+    assert local <= cfg.window.n_local + cfg.segmentation.max_event
+    if mode == "uniform":
+        assert {e.length for e in events} == {16}
+
+
+def test_stored_keys_are_the_models_pre_rope_keys():
+    reference, lm = tiny_pair("llama", CFG)
+    tokens = _stream(300, seed=4)
+    session = lm.session()
+    session.ingest_ids(tokens)
+    event = session.memory.event(3)
+    keys, _ = session.memory.gather(0, [3])  # (Hkv, L, D), layer 0: k_proj(norm(embed(x)))
+    ids = torch.tensor([tokens[event.start : event.end]])
+    layer = reference.model.layers[0]
+    with torch.no_grad():
+        hidden = layer.input_layernorm(reference.model.embed_tokens(ids))
+        expected = layer.self_attn.k_proj(hidden).view(1, event.length, 2, 16).transpose(1, 2)[0]
+    torch.testing.assert_close(keys.float(), expected, atol=2e-3, rtol=2e-3)  # stored in float16
+
+
+def test_recall_returns_events_with_spans_and_text():
+    _, lm = tiny_pair("qwen2", CFG)
+    session = lm.session()
+    session.ingest(" ".join(map(str, _stream(500))))
+    results = session.recall("1 2 3", k=3)
+    assert len(results) == 3
+    assert results[0].score >= results[1].score >= results[2].score
+    for r in results:
+        assert r.text.split() == [str(t) for t in session.state.text_tokens(r.token_start, r.token_end)]
+    assert session.recall("1 2 3", k=3) == results  # recall does not move the stream
+    assert results[0].model_dump_json()
+
+
+def test_generation_past_the_window_keeps_the_window_bounded():
+    _, lm = tiny_pair("mistral", CFG)
+    session = lm.session()
+    session.ingest(" ".join(map(str, _stream(1000))))
+    out = session.generate_ids([1, 2, 3], max_new_tokens=40)
+    assert len(out) == 40
+    for st in session.state.layers:
+        recalled = st.recalled_kv[0].shape[1] if st.recalled_kv is not None else 0
+        assert recalled <= CFG.recall.budget_tokens
+
+
+def test_bad_input_is_refused_clearly():
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    with pytest.raises(EmptyInputError):
+        session.ingest("")
+    with pytest.raises(EmptyInputError):
+        session.ingest(iter(["", "   "]))
+    with pytest.raises(InputError, match="bytes"):
+        session.ingest([b"1 2 3"])  # type: ignore[list-item]
+    assert session.tokens_ingested == 0
+    with pytest.raises(EmptyInputError):
+        session.generate_ids([], max_new_tokens=3)
+
+
+def test_stream_pieces_equal_one_string():
+    _, lm = tiny_pair("llama", CFG)
+    text = " ".join(map(str, _stream(200)))
+    a, b = lm.session(), lm.session()
+    a.ingest(text)
+    b.ingest(iter([text[:101], text[101:333], text[333:]]))
+    assert a.state.tokens[: a.state.n_tokens].tolist() == b.state.tokens[: b.state.n_tokens].tolist()
