@@ -54,3 +54,24 @@ def write_results(name: str, payload: dict[str, Any], table: str) -> tuple[Path,
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     md_path.write_text(table)
     return json_path, md_path
+
+
+def natural_text(n_chars: int) -> str:
+    """Deterministic varied English-ish text from the standard library's own docstrings (no download)."""
+    import importlib
+    import inspect
+
+    modules = ["argparse", "collections", "email", "json", "logging", "pathlib", "subprocess", "typing",
+               "unittest", "urllib.parse", "zipfile", "asyncio", "http.client", "textwrap", "decimal"]
+    parts: list[str] = []
+    size = 0
+    while size < n_chars:
+        for name in modules:
+            module = importlib.import_module(name)
+            for _, obj in inspect.getmembers(module):
+                doc = inspect.getdoc(obj)
+                if doc and len(doc) > 200:
+                    parts.append(doc)
+                    size += len(doc)
+        modules = modules[::-1]  # on a second pass the order differs
+    return "\n\n".join(parts)[:n_chars]
