@@ -26,7 +26,6 @@ def child(tokens: int) -> None:
     session = lm.session()
     started = time.perf_counter()
     session.ingest_ids(ids)
-    session._flush()
     print(json.dumps({
         "tokens": len(ids), "peak_rss_mb": peak_rss_mb(), "rss_after_load_mb": loaded_rss,
         "event_kv_mb": session.memory.kv_bytes / 2**20, "events": session.events,

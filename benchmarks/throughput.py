@@ -38,7 +38,6 @@ def engine_forward(lm: EpisodicLM, ids: list[int]) -> tuple[float, int]:
     session = lm.session()
     started = time.perf_counter()
     session.ingest_ids(ids)
-    session._flush()
     return time.perf_counter() - started, session.events
 
 

@@ -10,6 +10,7 @@ from engramkv import hf
 from engramkv.agent.session import Session
 from engramkv.config import EngineConfig, ModelConfig
 from engramkv.errors import ConfigError
+from engramkv.memory.events import EventMemory
 
 
 class EpisodicLM:
@@ -33,11 +34,11 @@ class EpisodicLM:
         model, tokenizer, model_id = hf.load_pretrained(config.model)
         return cls(model, tokenizer, model_id, config)
 
-    def session(self, config: EngineConfig | None = None) -> Session:
-        """A new, empty stream with its own event memory."""
+    def session(self, config: EngineConfig | None = None, memory: EventMemory | None = None) -> Session:
+        """A new, empty stream. Its events go to `memory` (any `EventMemory`), by default a fresh one in RAM."""
         config = config or self.config
         self._check(config)
-        return Session(self, config)
+        return Session(self, config, memory)
 
     def _check(self, config: EngineConfig) -> None:
         span = config.attention_span(config.generation.max_new_tokens)

@@ -43,7 +43,7 @@ class Session:
         started, tokens_before, events_before = time.perf_counter(), self.state.n_tokens, self.state.events_sealed
         pieces: Iterable[str] = [text] if isinstance(text, str) else text
         for ids in self._tokenize_stream(pieces):
-            self.ingest_ids(ids, progress)
+            self._feed(ids, progress)
         self._flush(progress)
         ingested = self.state.n_tokens - tokens_before
         if ingested == 0:
@@ -54,7 +54,12 @@ class Session:
         )
 
     def ingest_ids(self, token_ids: list[int], progress: ProgressCallback | None = None) -> None:
-        """Append token ids to the stream; full chunks are processed now, the rest waits for `_flush`."""
+        """Read token ids into the stream (all of them: a short last chunk is processed too)."""
+        self._feed(token_ids, progress)
+        self._flush(progress)
+
+    def _feed(self, token_ids: list[int], progress: ProgressCallback | None = None) -> None:
+        """Queue token ids; full chunks are processed now, the rest waits for more or for `_flush`."""
         self._pending.extend(token_ids)
         chunk = self.cfg.window.chunk_size
         while len(self._pending) >= chunk:

@@ -1,0 +1,32 @@
+"""Loading: a local checkpoint directory works offline; a missing one fails with a clear error."""
+
+import pytest
+
+from engramkv import EngineConfig, EpisodicLM, ModelLoadError, WindowConfig
+from engramkv.hf import default_model_dir
+
+from conftest import tiny_model
+
+
+def test_local_checkpoint_directory_loads_offline(tmp_path):
+    from transformers import AutoTokenizer
+
+    from engramkv.hf import DEFAULT_GGUF_FILE
+
+    tiny_model("qwen2").save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(default_model_dir(), gguf_file=DEFAULT_GGUF_FILE).save_pretrained(tmp_path)
+    small = EngineConfig(window=WindowConfig(n_local=256, chunk_size=256))  # the tiny model was "trained" on 2048 tokens
+    lm = EpisodicLM.from_pretrained(str(tmp_path), config=small)
+    assert lm.spec.model_type == "qwen2"
+    session = lm.session()
+    session.ingest("hello there, general kenobi")
+    assert len(session.generate_ids([1, 2, 3], max_new_tokens=4)) <= 4
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        EpisodicLM.from_pretrained(str(tmp_path / "nothing-here"))
+
+
+def test_embedded_model_ships_in_the_wheel():
+    assert (default_model_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf").stat().st_size > 50_000_000
