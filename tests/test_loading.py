@@ -19,7 +19,8 @@ def test_local_checkpoint_directory_loads_offline(tmp_path):
     lm = EpisodicLM.from_pretrained(str(tmp_path), config=small)
     assert lm.spec.model_type == "qwen2"
     session = lm.session()
-    session.ingest("hello there, general kenobi")
+    assert lm.tokenizer.encode("hello there", add_special_tokens=False)  # the saved tokenizer came along
+    session.ingest_ids(list(range(100)))  # ids inside the tiny model's 256-token vocabulary
     assert len(session.generate_ids([1, 2, 3], max_new_tokens=4)) <= 4
 
 
