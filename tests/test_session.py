@@ -97,3 +97,31 @@ def test_stream_pieces_equal_one_string():
     a.ingest(text)
     b.ingest(iter([text[:101], text[101:333], text[333:]]))
     assert a.state.tokens[: a.state.n_tokens].tolist() == b.state.tokens[: b.state.n_tokens].tolist()
+
+
+def test_recall_runs_for_the_prompt_and_every_decode_interval(monkeypatch):
+    from engramkv.agent import engine
+
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    session.ingest(" ".join(map(str, _stream(600))))
+    calls = []
+    original = engine.select_events
+    monkeypatch.setattr(engine, "select_events", lambda *a, **k: calls.append(a[1]) or original(*a, **k))
+    session.generate_ids([5, 6, 7], max_new_tokens=40)  # prompt chunk, then decode steps 16 and 32
+    layers = len(session.state.layers)
+    assert len(calls) == 3 * layers
+    assert sorted(set(calls)) == list(range(layers))
+
+
+@pytest.mark.parametrize("positions", ["contiguous", "fixed"])
+def test_window_positions_stay_inside_the_trained_length(monkeypatch, positions):
+    from engramkv.agent import engine
+
+    cfg = CFG.model_copy(update={"recall": CFG.recall.model_copy(update={"positions": positions})})
+    _, lm = tiny_pair("llama", cfg)
+    seen = []
+    original = engine.window_positions
+    monkeypatch.setattr(engine, "window_positions", lambda *a: seen.append(original(*a)) or seen[-1])
+    lm.session().ingest(" ".join(map(str, _stream(3000))))
+    assert max(int(p.max()) for p in seen) < cfg.attention_span()  # 3000 tokens read, positions stay small
