@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -127,15 +128,38 @@ def model_spec(model: PreTrainedModel, model_id: str) -> ModelSpec:
 
 
 class _DeferredRotary(nn.Module):
-    """Stands in for the model's rotary module: cos=1, sin=0, so q and k leave the layers un-rotated."""
+    """Stands in for the model's rotary module: cos=1, sin=0, so q and k leave the layers un-rotated.
+
+    The tensors carry a marker; the modeling module's apply_rotary_pos_emb is wrapped to skip
+    the (identity) rotation when it sees it. Without the wrapper the result is the same, only slower.
+    """
 
     def __init__(self, head_dim: int):
         super().__init__()
         self.head_dim = head_dim
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (*position_ids.shape, self.head_dim)  # (B, T, D)
-        return torch.ones(shape, dtype=x.dtype, device=x.device), torch.zeros(shape, dtype=x.dtype, device=x.device)
+        b, t = position_ids.shape
+        cos = torch.ones(1, 1, self.head_dim, dtype=x.dtype, device=x.device).expand(b, t, -1)  # (B, T, D)
+        sin = torch.zeros(1, 1, self.head_dim, dtype=x.dtype, device=x.device).expand(b, t, -1)  # (B, T, D)
+        cos._engramkv_deferred = True  # type: ignore[attr-defined]
+        return cos, sin
+
+
+def _skip_deferred_rotation(modeling_module: Any) -> None:
+    """Wrap `modeling_module.apply_rotary_pos_emb` so the deferred (identity) rotation costs nothing."""
+    original = getattr(modeling_module, "apply_rotary_pos_emb", None)
+    if original is None or getattr(original, "_engramkv_wrapped", False):
+        return
+
+    def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *args: Any,
+                             **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if getattr(cos, "_engramkv_deferred", False):
+            return q, k
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb._engramkv_wrapped = True  # type: ignore[attr-defined]
+    modeling_module.apply_rotary_pos_emb = apply_rotary_pos_emb
 
 
 class Rope:
@@ -144,16 +168,23 @@ class Rope:
     def __init__(self, rotary: nn.Module):
         self.rotary = rotary
 
+    def table(self, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions 0..length-1: (length, D) each; index it instead of recomputing."""
+        return self.cos_sin(torch.arange(length, device=like.device), like)
+
     def cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.rotary(like, positions[None, :])  # (1, N, D) each
         return cos[0], sin[0]  # (N, D)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x (..., N, D); cos/sin (N, D). Same formula as transformers' apply_rotary_pos_emb.
+        # x (..., N, D); cos/sin (N, D). x * cos + rotate_half(x) * sin, as transformers'
+        # apply_rotary_pos_emb, written half by half so no rotated copy of x is built.
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        return out
 
 
 def _episodic_attention(
@@ -184,6 +215,7 @@ def install_episodic_attention(model: PreTrainedModel) -> Rope:
     spec = model_spec(model, "")
     rope = Rope(inner.rotary_emb)
     inner.rotary_emb = _DeferredRotary(spec.head_dim)
+    _skip_deferred_rotation(sys.modules[type(inner.layers[0].self_attn).__module__])
     model.set_attn_implementation(ATTENTION_NAME)
     model._engramkv_rope = rope
     return rope

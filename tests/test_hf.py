@@ -57,3 +57,18 @@ def test_model_spec_reads_the_config():
     assert (spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (3, 4, 2, 16)
     assert spec.fingerprint() == model_spec(tiny_model("qwen2"), "tiny").fingerprint()
     assert EngineConfig().model.allow_download is False
+
+
+def test_identity_rotation_is_skipped_but_plain_models_still_rotate():
+    import transformers.models.llama.modeling_llama as modeling
+
+    patched, plain = tiny_model("llama"), tiny_model("llama")
+    install_episodic_attention(patched)
+    assert getattr(modeling.apply_rotary_pos_emb, "_engramkv_wrapped", False)
+    q, k = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16)
+    cos, sin = plain.model.rotary_emb(q, torch.arange(6)[None])
+    rotated_q, _ = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+    assert not torch.allclose(rotated_q, q)  # an unpatched model's rotation is untouched
+    d_cos, d_sin = patched.model.rotary_emb(q, torch.arange(6)[None])
+    same_q, same_k = modeling.apply_rotary_pos_emb(q, k, d_cos, d_sin)
+    assert same_q is q and same_k is k

@@ -84,7 +84,8 @@ class EpisodicState:
         self.recall_now = True
         self.decode_steps = 0
         self.events_sealed = 0
-        self._mask_cache: torch.Tensor | None = None
+        self._masks: dict[int, torch.Tensor] = {}  # wide causal masks by query count
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (P, D)
 
     # ------------------------------------------------------------------ attention hook
     def attend(
@@ -100,7 +101,7 @@ class EpisodicState:
         n_keys = keys.shape[1]
 
         positions = window_positions(n_sink, n_mem, n_local, n_new, self.cfg.recall.positions)  # (N,)
-        cos, sin = self.rope.cos_sin(positions.to(self.device), like=q)  # (N, D)
+        cos, sin = self._cos_sin(positions, q)  # (N, D) each
         q_rot = self.rope.apply(q, cos[-n_new:], sin[-n_new:])  # (H, C, D)
         k_rot = self.rope.apply(keys, cos, sin)  # (Hkv, N, D)
         mask = None if n_keys == n_new else self._mask(n_new, n_keys)
@@ -114,10 +115,24 @@ class EpisodicState:
             self._append(st, k, v, received)
         return out.transpose(1, 2)  # (1, C, H, D)
 
-    def _mask(self, n_queries: int, n_keys: int) -> torch.Tensor:  # (C, N) bool, shared by all layers
-        if self._mask_cache is None or self._mask_cache.shape != (n_queries, n_keys):
-            self._mask_cache = lower_right_causal_mask(n_queries, n_keys).to(self.device)
-        return self._mask_cache
+    def _mask(self, n_queries: int, n_keys: int) -> torch.Tensor:  # (C, N) bool view
+        # A lower-right causal mask of width N is the right end of a wider one: build it once per
+        # query count and slice, since every layer (different recall sizes) wants another N.
+        wide = self._masks.get(n_queries)
+        if wide is None or wide.shape[1] < n_keys:
+            width = max(n_keys, self.cfg.attention_span())
+            wide = self._masks[n_queries] = lower_right_causal_mask(n_queries, width).to(self.device)
+        return wide[:, wide.shape[1] - n_keys :]
+
+    def _cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1
+        if self._rope_table is None or self._rope_table[0].shape[0] < needed:
+            self._rope_table = self.rope.table(max(needed, self.cfg.attention_span()), like)
+        cos, sin = self._rope_table
+        if self.cfg.recall.positions == "contiguous":  # positions are 0..N-1: a view, no gather
+            return cos[:needed], sin[:needed]
+        index = positions.to(self.device)
+        return cos.index_select(0, index), sin.index_select(0, index)
 
     def _recalled(self, layer: int, st: _LayerState, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cfg.recall.enabled or len(self.memory) == 0:
@@ -150,9 +165,10 @@ class EpisodicState:
         hkv, n_keys = k_rot.shape[0], k_rot.shape[1]
         s = min(c, self.cfg.representatives.stat_queries)
         probe = q_rot[:, -s:].float().reshape(hkv, (h // hkv) * s, d)  # (Hkv, G*s, D)
-        logits = probe @ k_rot.float().transpose(1, 2) * scaling  # (Hkv, G*s, N)
-        visible = self._mask(s, n_keys)  # (s, N)
-        logits = logits.view(hkv, h // hkv, s, n_keys).masked_fill(~visible, float("-inf"))
+        logits = (probe @ k_rot.float().transpose(1, 2) * scaling).view(hkv, h // hkv, s, n_keys)  # (Hkv, G, s, N)
+        # Causality only bites inside the last s keys (the probing queries themselves).
+        future = ~self._mask(s, s)  # (s, s) strictly upper triangle
+        logits[..., n_keys - s :].masked_fill_(future, float("-inf"))
         weights = logits.softmax(dim=-1).sum(dim=(1, 2))  # (Hkv, N)
         return weights[:, resident_from:].cpu()
 

@@ -26,7 +26,8 @@ import torch
 
 
 def similarity_graph(keys: torch.Tensor) -> torch.Tensor:  # keys (T, F) -> (T, T)
-    a = (keys.double() @ keys.double().T).clamp(min=0)  # (T, T)
+    keys = keys.float()
+    a = (keys @ keys.T).clamp(min=0).double()  # (T, T); float64 only for the prefix sums downstream
     a.fill_diagonal_(0)
     return a
 
