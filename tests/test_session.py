@@ -125,3 +125,13 @@ def test_window_positions_stay_inside_the_trained_length(monkeypatch, positions)
     monkeypatch.setattr(engine, "window_positions", lambda *a: seen.append(original(*a)) or seen[-1])
     lm.session().ingest(" ".join(map(str, _stream(3000))))
     assert max(int(p.max()) for p in seen) < cfg.attention_span()  # 3000 tokens read, positions stay small
+
+
+def test_long_generation_seals_events_and_keeps_the_window_bounded():
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    session.ingest(" ".join(map(str, _stream(200))))
+    before = len(session.memory)
+    session.generate_ids([9], max_new_tokens=300)
+    assert len(session.memory) > before
+    assert session.state.n_tokens - session.state.local_start <= CFG.window.n_local + CFG.segmentation.max_event

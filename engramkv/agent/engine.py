@@ -207,8 +207,7 @@ class EpisodicState:
             surprise = token_surprise(logits, token_ids.cpu().long(), self.last_logits)
         self.last_logits = logits[-1]
         self._record(token_ids.cpu(), surprise)
-        if mode == "ingest":
-            self._seal()
+        self._seal()  # in decoding too, so a long reply cannot push positions past the trained length
         return logits
 
     def _record(self, token_ids: torch.Tensor, surprise: torch.Tensor) -> None:
