@@ -85,28 +85,32 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(row, flush=True)
+                report(rows, args, model_id, base, started)  # rewritten after every sample: a long run can be cut
 
-    summary: dict[str, dict[int, float]] = {}
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, model_id: str, base: EngineConfig,
+           started: float) -> None:
+    outcomes: dict[str, dict[int, list[bool]]] = {}
     for row in rows:
-        summary.setdefault(row["system"], {}).setdefault(row["length"], []).append(row["correct"])  # type: ignore[arg-type]
-    accuracy = {s: {n: sum(v) / len(v) for n, v in by_len.items()} for s, by_len in summary.items()}  # type: ignore[arg-type]
+        outcomes.setdefault(row["system"], {}).setdefault(row["length"], []).append(row["correct"])
+    accuracy = {s: {n: sum(v) / len(v) for n, v in by_len.items()} for s, by_len in outcomes.items()}
     lines = [
         f"# Passkey retrieval ({model_id}, {len(args.depths)} depths per cell)",
         "",
         "| system | " + " | ".join(f"{n // 1024}k" for n in args.lengths) + " |",
         "|---|" + "---|" * len(args.lengths),
     ]
-    for system, by_len in accuracy.items():
-        cells = [f"{by_len[n]:.0%}" if n in by_len else "n/a" for n in args.lengths]
+    for system, by_len in outcomes.items():
+        cells = [f"{sum(by_len[n]) / len(by_len[n]):.0%} ({sum(by_len[n])}/{len(by_len[n])})" if n in by_len else "n/a"
+                 for n in args.lengths]
         lines.append(f"| {system} | " + " | ".join(cells) + " |")
-    lines += ["", f"Run time {time.perf_counter() - started:.0f} s; peak RSS {peak_rss_mb():.0f} MB.", ""]
+    lines += ["", f"{len(rows)} samples; run time {time.perf_counter() - started:.0f} s; "
+              f"peak RSS {peak_rss_mb():.0f} MB.", ""]
     payload = {
         "model": model_id, "config": base.model_dump(), "args": vars(args), "machine": machine(),
         "accuracy": accuracy, "rows": rows, "seconds": time.perf_counter() - started,
     }
-    paths = write_results(args.name, payload, "\n".join(lines))
-    print("\n".join(lines))
-    print("wrote", *paths)
+    write_results(args.name, payload, "\n".join(lines))
 
 
 if __name__ == "__main__":
