@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import json
 import sys
+import weakref
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -90,6 +91,7 @@ def default_model_dir() -> Path:
 
 def load_pretrained(cfg: ModelConfig) -> tuple[PreTrainedModel, Any, str]:
     """Load model and tokenizer per `cfg`; returns (model, tokenizer, model_id). Never downloads unless allowed."""
+    gguf: str | None
     if cfg.name_or_path is None:
         source, gguf, model_id = str(default_model_dir()), DEFAULT_GGUF_FILE, DEFAULT_MODEL_ID
     else:
@@ -103,7 +105,8 @@ def load_pretrained(cfg: ModelConfig) -> tuple[PreTrainedModel, Any, str]:
     except (OSError, ValueError) as exc:
         hint = "" if cfg.allow_download else " (downloads are off: pass a local path, or allow_download=True)"
         raise ModelLoadError(f"cannot load model {source!r}: {exc}{hint}") from exc
-    model.to(cfg.device)
+    if cfg.device != "cpu":
+        model = model.to(torch.device(cfg.device))  # type: ignore[arg-type]  # transformers wraps .to
     model.eval()
     return model, tokenizer, model_id
 
@@ -207,17 +210,20 @@ def _episodic_attention(
 AttentionInterface.register(ATTENTION_NAME, _episodic_attention)
 
 
+_INSTALLED: weakref.WeakKeyDictionary[PreTrainedModel, Rope] = weakref.WeakKeyDictionary()
+
+
 def install_episodic_attention(model: PreTrainedModel) -> Rope:
     """Patch `model` in place (RoPE deferral + attention hook); returns the RoPE applier. Idempotent."""
     inner = model.model
-    if isinstance(inner.rotary_emb, _DeferredRotary):
-        return model._engramkv_rope  # type: ignore[no-any-return]
+    if model in _INSTALLED:
+        return _INSTALLED[model]
     spec = model_spec(model, "")
     rope = Rope(inner.rotary_emb)
     inner.rotary_emb = _DeferredRotary(spec.head_dim)
     _skip_deferred_rotation(sys.modules[type(inner.layers[0].self_attn).__module__])
     model.set_attn_implementation(ATTENTION_NAME)
-    model._engramkv_rope = rope
+    _INSTALLED[model] = rope
     return rope
 
 

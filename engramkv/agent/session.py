@@ -177,8 +177,8 @@ class Session:
         self._flush()
         queries = self.state.probe(torch.tensor(ids, dtype=torch.long))
         total = torch.zeros(n_events)
-        for layer, query in enumerate(queries):
-            event_ids, scores = self.memory.search(layer, query, k=n_events)
+        for layer, layer_query in enumerate(queries):
+            event_ids, scores = self.memory.search(layer, layer_query, k=n_events)
             s = torch.tensor(scores)
             z = (s - s.mean()) / s.std().clamp(min=1e-6) if s.numel() > 1 else s * 0
             total[torch.tensor(event_ids)] += z
