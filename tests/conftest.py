@@ -24,6 +24,11 @@ class IntTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(f" {i}" for i in ids)
 
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
+        # A "template": each turn is its role id (1 user, 2 assistant) followed by its content.
+        rendered = "".join(f" {1 if m['role'] == 'user' else 2} {m['content']}" for m in messages)
+        return rendered + (" 2" if add_generation_prompt else "")
+
 
 def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)

@@ -135,3 +135,28 @@ def test_long_generation_seals_events_and_keeps_the_window_bounded():
     session.generate_ids([9], max_new_tokens=300)
     assert len(session.memory) > before
     assert session.state.n_tokens - session.state.local_start <= CFG.window.n_local + CFG.segmentation.max_event
+
+
+def test_a_busy_session_refuses_a_second_call():
+    from engramkv import SessionError
+
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    reply = session.chat("4 5 6", stream=True, max_new_tokens=10)
+    next(reply)  # a streamed reply is half consumed: the stream is in use
+    with pytest.raises(SessionError, match="busy"):
+        session.ingest("1 2 3")
+    rest = list(reply)
+    assert len(rest) == 9
+    session.ingest("1 2 3")  # free again once the reply is done
+
+
+def test_chat_turns_join_the_stream():
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    first = session.chat("4 5 6", max_new_tokens=5)
+    assert len(first.split()) == 5
+    n = session.tokens_ingested
+    session.chat("7 8", max_new_tokens=5)
+    # the second turn adds only its own rendering (" 1 7 8 2" after the first reply) plus the reply
+    assert session.tokens_ingested == n + 4 + 5

@@ -8,7 +8,7 @@ from transformers import PreTrainedModel
 
 from engramkv import hf
 from engramkv.agent.session import Session
-from engramkv.config import EngineConfig, ModelConfig
+from engramkv.config import EngineConfig
 from engramkv.errors import ConfigError
 from engramkv.memory.events import EventMemory
 
@@ -48,7 +48,3 @@ class EpisodicLM:
                 f"+ chunk + max_new_tokens) but {self.spec.model_id} was trained on {self.spec.trained_length}; "
                 "shrink window.n_local or recall.budget_tokens"
             )
-
-    @staticmethod
-    def default_model_config() -> ModelConfig:
-        return ModelConfig()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,7 +13,7 @@ import torch
 from engramkv.agent.engine import EpisodicState
 from engramkv.agent.results import IngestReport, RecalledEvent
 from engramkv.config import EngineConfig
-from engramkv.errors import EmptyInputError, InputError
+from engramkv.errors import EmptyInputError, InputError, SessionError
 from engramkv.memory.events import EventMemory, InMemoryEventMemory
 
 if TYPE_CHECKING:
@@ -25,7 +27,12 @@ _TOKENIZE_PIECE_CHARS = 16_384
 
 
 class Session:
-    """Reads a stream, remembers it as events, answers from it. Create with `EpisodicLM.session()`."""
+    """Reads a stream, remembers it as events, answers from it. Create with `EpisodicLM.session()`.
+
+    One stream has one order, so a session does one thing at a time: a call made while another is
+    running (from another thread, or while a streamed reply is still being consumed) raises
+    `SessionError` instead of interleaving tokens. Use one session per thread of work.
+    """
 
     def __init__(self, lm: EpisodicLM, cfg: EngineConfig, memory: EventMemory | None = None):
         self.lm = lm
@@ -36,15 +43,26 @@ class Session:
         self.state = EpisodicState(lm.model, lm.rope, spec, cfg, self.memory)
         self._pending: list[int] = []  # tokens waiting to fill a chunk
         self._chat_history: list[dict[str, str]] = []
+        self._busy = threading.Lock()
+
+    @contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        if not self._busy.acquire(blocking=False):
+            raise SessionError(f"cannot {what}: the session is busy with another call (one stream, one reader)")
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, text: str | Iterable[str], progress: ProgressCallback | None = None) -> IngestReport:
         """Read `text` (a string, or an iterable of string pieces) into the stream."""
         started, tokens_before, events_before = time.perf_counter(), self.state.n_tokens, self.state.events_sealed
         pieces: Iterable[str] = [text] if isinstance(text, str) else text
-        for ids in self._tokenize_stream(pieces):
-            self._feed(ids, progress)
-        self._flush(progress)
+        with self._exclusive("ingest"):
+            for ids in self._tokenize_stream(pieces):
+                self._feed(ids, progress)
+            self._flush(progress)
         ingested = self.state.n_tokens - tokens_before
         if ingested == 0:
             raise EmptyInputError("nothing to ingest: the input holds no tokens")
@@ -55,8 +73,9 @@ class Session:
 
     def ingest_ids(self, token_ids: list[int], progress: ProgressCallback | None = None) -> None:
         """Read token ids into the stream (all of them: a short last chunk is processed too)."""
-        self._feed(token_ids, progress)
-        self._flush(progress)
+        with self._exclusive("ingest"):
+            self._feed(token_ids, progress)
+            self._flush(progress)
 
     def _feed(self, token_ids: list[int], progress: ProgressCallback | None = None) -> None:
         """Queue token ids; full chunks are processed now, the rest waits for more or for `_flush`."""
@@ -137,17 +156,18 @@ class Session:
         if not prompt_ids and self.state.n_tokens == 0 and not self._pending:
             raise EmptyInputError("nothing to continue: empty prompt and empty session")
         limit = max_new_tokens if max_new_tokens is not None else self.cfg.generation.max_new_tokens
-        self._pending.extend(prompt_ids)
-        self._flush()
-        generator = torch.Generator().manual_seed(self.cfg.generation.seed)
-        logits = self.state.last_logits
-        for _ in range(limit):
-            assert logits is not None
-            token = self._pick(logits, generator)
-            logits = self.state.step(torch.tensor([token]), mode="decode")[-1]
-            if token in stop_ids:
-                return
-            yield token
+        with self._exclusive("generate"):
+            self._pending.extend(prompt_ids)
+            self._flush()
+            generator = torch.Generator().manual_seed(self.cfg.generation.seed)
+            logits = self.state.last_logits
+            for _ in range(limit):
+                assert logits is not None
+                token = self._pick(logits, generator)
+                logits = self.state.step(torch.tensor([token]), mode="decode")[-1]
+                if token in stop_ids:
+                    return
+                yield token
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> int:
         temperature = self.cfg.generation.temperature
@@ -174,8 +194,9 @@ class Session:
         n_events = len(self.memory)
         if n_events == 0:
             return []
-        self._flush()
-        queries = self.state.probe(torch.tensor(ids, dtype=torch.long))
+        with self._exclusive("recall"):
+            self._flush()
+            queries = self.state.probe(torch.tensor(ids, dtype=torch.long))
         total = torch.zeros(n_events)
         for layer, layer_query in enumerate(queries):
             event_ids, scores = self.memory.search(layer, layer_query, k=n_events)
