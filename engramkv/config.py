@@ -87,7 +87,7 @@ class RecallConfig(_Strict):
     enabled: bool = True
     budget_tokens: int = Field(default=1024, ge=0, description="Memory tokens per layer in the window.")
     contiguity_fraction: float = Field(
-        default=0.3, ge=0, le=1, description="Share of the budget given to temporal neighbours of the hits."
+        default=0.5, ge=0, le=1, description="Share of the budget given to temporal neighbours of the hits."
     )
     contiguity_buffer: int = Field(
         default=4, ge=0, description="Similarity hits of earlier steps kept as contiguity candidates (0 disables)."
@@ -109,6 +109,43 @@ class GenerationConfig(_Strict):
     seed: int = 0
 
 
+class IndexConfig(_Strict):
+    """The per-layer FAISS indexes of a persistent store."""
+
+    ivf_min_events: int = Field(
+        default=50_000, ge=16, description="Events per namespace past which the flat index is rebuilt as IVF-SQ8."
+    )
+    ivf_lists_per_sqrt: float = Field(default=4.0, gt=0, description="IVF lists = this * sqrt(events) at rebuild.")
+    ivf_nprobe: int = Field(default=32, ge=1, description="IVF lists scanned per search.")
+
+
+class StoreConfig(_Strict):
+    """The tiered, persistent event store (used when a session is opened with `store=`)."""
+
+    codec: Literal["fp16", "int8", "int4"] = Field(
+        default="int8", description="Cold-tier (disk) encoding of event KV; fixed when the store is created."
+    )
+    hot_bytes: int = Field(
+        default=256 * 2**20, ge=0, description="Decoded KV kept on the compute device (LRU by bytes)."
+    )
+    warm_bytes: int = Field(default=512 * 2**20, ge=0, description="Encoded blobs kept in host RAM (LRU by bytes).")
+    prefetch: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Decode the next layer's recalled blocks in the background; 'auto' turns it on for CUDA devices.",
+    )
+    segment_bytes: int = Field(default=256 * 2**20, ge=2**16, description="Size at which a segment file is closed.")
+    commit_tokens: int = Field(
+        default=16_384, ge=1, description="Ingested tokens between two commits (the most a crash can lose)."
+    )
+    index_save_events: int = Field(
+        default=2_000, ge=1, description="New events between two index saves (a lagging index is caught up on open)."
+    )
+    catalog_url: str | None = Field(
+        default=None, description="SQLAlchemy URL of the catalog; None means catalog.sqlite inside the store directory."
+    )
+    index: IndexConfig = IndexConfig()
+
+
 class EngineConfig(_Strict):
     """The root of the configuration tree."""
 
@@ -119,6 +156,7 @@ class EngineConfig(_Strict):
     representatives: RepresentativeConfig = RepresentativeConfig()
     recall: RecallConfig = RecallConfig()
     generation: GenerationConfig = GenerationConfig()
+    store: StoreConfig = StoreConfig()
 
     def attention_span(self, max_new_tokens: int = 0) -> int:
         """Largest number of keys any query can see: sinks + memory + local (+ one event of slack) + chunk."""

@@ -5,7 +5,14 @@
     ├── ModelLoadError         the model or its tokenizer cannot be loaded (missing, unsupported, offline)
     ├── InputError             the text given to ingest or ask cannot be used
     │   └── EmptyInputError    the input holds no tokens at all
-    └── SessionError           the session cannot do what was asked in its current state
+    ├── SessionError           the session cannot do what was asked in its current state
+    └── StoreError             a persistent store cannot be opened, read or written
+        ├── StoreLockedError   another process holds the store open for writing
+        ├── StoreMismatchError the store was written by another model (or another format)
+        ├── StoreCorruptError  a checksum or a cross-check between catalog and files failed
+        ├── StoreFullError     the disk filled up; the store stays at its last commit
+        ├── ReadOnlyError      a write was asked of a store opened read-only
+        └── NamespaceError     a namespace name is invalid or unknown
 """
 
 from __future__ import annotations
@@ -33,3 +40,31 @@ class EmptyInputError(InputError):
 
 class SessionError(EngramError):
     """The session cannot perform the operation in its current state."""
+
+
+class StoreError(EngramError):
+    """A persistent store cannot be opened, read or written."""
+
+
+class StoreLockedError(StoreError):
+    """Another process has the store open for writing (one writer at a time; readers are fine)."""
+
+
+class StoreMismatchError(StoreError):
+    """The store was written by another model or in another format, and cannot serve this one."""
+
+
+class StoreCorruptError(StoreError):
+    """A checksum failed, or the catalog and the files on disk disagree beyond what recovery repairs."""
+
+
+class StoreFullError(StoreError):
+    """The disk is full; nothing after the last commit was kept."""
+
+
+class ReadOnlyError(StoreError):
+    """A write was asked of a store (or namespace) opened read-only."""
+
+
+class NamespaceError(StoreError, ValueError):
+    """A namespace name is invalid (it could escape the store directory) or does not exist."""

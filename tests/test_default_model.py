@@ -23,7 +23,7 @@ def test_passkey_comes_back_from_event_memory(default_lm):
     session.ingest(context)
     needle = [
         e for e in (session.memory.event(i) for i in range(len(session.memory)))
-        if key[:3] in default_lm.tokenizer.decode(session.state.text_tokens(e.start, e.end))
+        if key[:3] in default_lm.tokenizer.decode(session.memory.tokens(e.id))
     ]
     assert needle, "the passkey must have left the local window"
     assert key in session.generate(question, max_new_tokens=8)

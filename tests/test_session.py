@@ -60,7 +60,8 @@ def test_recall_returns_events_with_spans_and_text():
     assert len(results) == 3
     assert results[0].score >= results[1].score >= results[2].score
     for r in results:
-        assert r.text.split() == [str(t) for t in session.state.text_tokens(r.token_start, r.token_end)]
+        assert r.text.split() == [str(t) for t in session.memory.tokens(r.event_id)]
+        assert len(session.memory.tokens(r.event_id)) == r.token_end - r.token_start
     assert session.recall("1 2 3", k=3) == results  # recall does not move the stream
     assert results[0].model_dump_json()
 
@@ -96,7 +97,13 @@ def test_stream_pieces_equal_one_string():
     a, b = lm.session(), lm.session()
     a.ingest(text)
     b.ingest(iter([text[:101], text[101:333], text[333:]]))
-    assert a.state.tokens[: a.state.n_tokens].tolist() == b.state.tokens[: b.state.n_tokens].tolist()
+    assert _all_tokens(a) == _all_tokens(b)
+    assert len(_all_tokens(a)) == a.state.n_tokens
+
+
+def _all_tokens(session):
+    sealed = [t for i in range(len(session.memory)) for t in session.memory.tokens(i)]
+    return session.state.sink_tokens.tolist() + sealed + session.state.tail_tokens.tolist()
 
 
 def test_recall_runs_for_the_prompt_and_every_decode_interval(monkeypatch):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +72,11 @@ class EpisodicState:
             )
             for _ in range(spec.num_layers)
         ]
-        self.tokens = torch.empty(0, dtype=torch.int32)  # every token of the stream, in order
+        # The sink tokens, and the tokens not yet sealed into an event (stream[tail_start:]); sealed
+        # ones live in the event memory.
+        self.sink_tokens = torch.empty(0, dtype=torch.int32)
+        self.tail_tokens = torch.empty(0, dtype=torch.int32)
+        self.tail_start = 0
         self.n_tokens = 0
         self.sink_len = 0
         self.local_start = 0  # global index of the first local-window token
@@ -212,15 +216,12 @@ class EpisodicState:
 
     def _record(self, token_ids: torch.Tensor, surprise: torch.Tensor) -> None:
         n = token_ids.shape[0]
-        if self.n_tokens + n > self.tokens.shape[0]:
-            grown = torch.empty(max(2 * self.tokens.shape[0], self.n_tokens + n, 1024), dtype=torch.int32)
-            grown[: self.n_tokens] = self.tokens[: self.n_tokens]
-            self.tokens = grown
-        self.tokens[self.n_tokens : self.n_tokens + n] = token_ids
         to_sink = min(n, self.cfg.window.n_sink - self.sink_len)
+        self.sink_tokens = torch.cat([self.sink_tokens, token_ids[:to_sink].to(torch.int32)])
+        self.tail_tokens = torch.cat([self.tail_tokens, token_ids[to_sink:].to(torch.int32)])
         self.sink_len += to_sink
         if self.events_sealed == 0:
-            self.local_start = self.sink_len
+            self.local_start = self.tail_start = self.sink_len
         self.n_tokens += n
         local_part = surprise[to_sink:]
         self.local_surprise = torch.cat([self.local_surprise, local_part])
@@ -268,7 +269,10 @@ class EpisodicState:
             id=len(self.memory), start=start, end=end,
             surprise_mean=float(surprise.mean()), surprise_max=float(surprise.max()),
         )
-        self.memory.add(event, keys, values, reps)
+        token_ids = self.tail_tokens[start - self.tail_start : end - self.tail_start]  # (n,)
+        self.memory.add(event, keys, values, reps, token_ids)
+        self.tail_tokens = self.tail_tokens[end - self.tail_start :]
+        self.tail_start = end
         for st in self.layers:
             st.local_k, st.local_v = st.local_k[:, n:], st.local_v[:, n:]
             st.local_attention = st.local_attention[:, n:]
@@ -297,5 +301,46 @@ class EpisodicState:
     def _empty_query(self) -> torch.Tensor:
         return torch.zeros(self.spec.num_kv_heads * self.spec.head_dim)
 
-    def text_tokens(self, start: int, end: int) -> list[int]:
-        return self.tokens[start:end].tolist()
+    # ------------------------------------------------------------------ persistence
+    def snapshot(self) -> dict[str, Any]:
+        """Everything but the event memory, as tensors and plain values (what a store checkpoints).
+
+        Resident keys and values stay in the model's dtype, so a restored stream continues exactly.
+        """
+        return {
+            "n_tokens": self.n_tokens, "sink_len": self.sink_len, "local_start": self.local_start,
+            "local_surprise": self.local_surprise, "boundaries": list(self.boundaries),
+            "sink_tokens": self.sink_tokens, "tail_tokens": self.tail_tokens, "tail_start": self.tail_start, "last_logits": self.last_logits,
+            "events_sealed": self.events_sealed,
+            "segmenter": {
+                "history": list(self.segmenter.history), "event_start": self.segmenter.event_start,
+                "position": self.segmenter.position,
+            },
+            "layers": [
+                {
+                    "sink_k": st.sink_k.cpu(), "sink_v": st.sink_v.cpu(), "local_k": st.local_k.cpu(),
+                    "local_v": st.local_v.cpu(), "local_attention": st.local_attention, "buffer": list(st.buffer),
+                }
+                for st in self.layers
+            ],
+        }
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Inverse of `snapshot` (the event memory must already hold the events it had then)."""
+        for name in ("n_tokens", "sink_len", "local_start", "local_surprise", "sink_tokens", "tail_tokens", "tail_start",
+                     "last_logits", "events_sealed"):
+            setattr(self, name, snapshot[name])
+        self.boundaries = list(snapshot["boundaries"])
+        seg = snapshot["segmenter"]
+        self.segmenter.history.clear()
+        self.segmenter.history.extend(seg["history"])
+        self.segmenter.event_start, self.segmenter.position = seg["event_start"], seg["position"]
+        if len(snapshot["layers"]) != len(self.layers):
+            raise ValueError("snapshot has another number of layers")
+        for st, saved in zip(self.layers, snapshot["layers"]):
+            st.sink_k, st.sink_v = saved["sink_k"].to(self.device), saved["sink_v"].to(self.device)
+            st.local_k, st.local_v = saved["local_k"].to(self.device), saved["local_v"].to(self.device)
+            st.local_attention = saved["local_attention"]
+            st.buffer.clear()
+            st.buffer.extend(saved["buffer"])
+            st.recalled_ids, st.recalled_kv = [], None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -11,6 +12,7 @@ from engramkv.agent.session import Session
 from engramkv.config import EngineConfig
 from engramkv.errors import ConfigError
 from engramkv.memory.events import EventMemory
+from engramkv.storage.store import DEFAULT_NAME, EventStore
 
 
 class EpisodicLM:
@@ -23,6 +25,7 @@ class EpisodicLM:
         self.spec = hf.model_spec(model, model_id)
         self.rope = hf.install_episodic_attention(model)
         self._check(self.config)
+        self._stores: dict[tuple[Path, bool], EventStore] = {}
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, config: EngineConfig | None = None) -> EpisodicLM:
@@ -34,11 +37,45 @@ class EpisodicLM:
         model, tokenizer, model_id = hf.load_pretrained(config.model)
         return cls(model, tokenizer, model_id, config)
 
-    def session(self, config: EngineConfig | None = None, memory: EventMemory | None = None) -> Session:
-        """A new, empty stream. Its events go to `memory` (any `EventMemory`), by default a fresh one in RAM."""
+    def session(
+        self,
+        config: EngineConfig | None = None,
+        memory: EventMemory | None = None,
+        store: str | Path | None = None,
+        user_id: str = DEFAULT_NAME,
+        agent_id: str = DEFAULT_NAME,
+        session_id: str = DEFAULT_NAME,
+        read_only: bool = False,
+    ) -> Session:
+        """A stream and its episodic memory.
+
+        Without `store`: a new, empty stream whose events go to `memory` (any `EventMemory`), by
+        default a fresh one in RAM. With `store` (a directory, created if needed): the stream of
+        namespace (user_id, agent_id, session_id) in that persistent store, continued where it
+        stopped. `read_only` opens an existing store without taking the writer lock; what such a
+        session adds stays in RAM.
+        """
         config = config or self.config
         self._check(config)
+        if store is not None:
+            if memory is not None:
+                raise ConfigError("give a session either memory= or store=, not both")
+            memory = self.open_store(store, config, read_only).namespace(
+                user_id, agent_id, session_id, device=self.model.device, dtype=self.model.dtype)
         return Session(self, config, memory)
+
+    def open_store(self, path: str | Path, config: EngineConfig | None = None, read_only: bool = False) -> EventStore:
+        """The persistent store at `path`, opened once per process and mode (it checks the model's fingerprint)."""
+        key = (Path(path).expanduser().resolve(), read_only)
+        if key not in self._stores:
+            self._stores[key] = EventStore(key[0], self.spec, (config or self.config).store, read_only=read_only)
+        return self._stores[key]
+
+    def close(self) -> None:
+        """Close every store this model opened (sessions on them should be closed first)."""
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
 
     def _check(self, config: EngineConfig) -> None:
         span = config.attention_span(config.generation.max_new_tokens)

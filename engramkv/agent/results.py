@@ -21,6 +21,9 @@ class IngestReport(BaseModel):
     tokens: int
     events_sealed: int
     seconds: float
+    resumed_from_byte: int = 0  # ingest_file: where an interrupted ingest of the same file picked up
+    already_ingested: bool = False  # ingest_file: the file was complete in the store; nothing was read
+    document_tokens: int = 0  # ingest_file: tokens of the whole document (all runs together)
 
     @property
     def tokens_per_second(self) -> float:

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engramkv.agent.documents import check_document, read_text
 from engramkv.agent.engine import EpisodicState
 from engramkv.agent.results import IngestReport, RecalledEvent
 from engramkv.config import EngineConfig
-from engramkv.errors import EmptyInputError, InputError, SessionError
+from engramkv.errors import ConfigError, EmptyInputError, InputError, SessionError
 from engramkv.memory.events import EventMemory, InMemoryEventMemory
+from engramkv.storage.store import DocumentProgress, NamespaceMemory
 
 if TYPE_CHECKING:
     from engramkv.agent.model import EpisodicLM
@@ -39,30 +44,98 @@ class Session:
         self.cfg = cfg
         spec = lm.spec
         memory_dtype = getattr(torch, cfg.recall.memory_dtype)
-        self.memory = memory or InMemoryEventMemory(spec.num_layers, spec.num_kv_heads, spec.head_dim, memory_dtype)
+        if memory is None:  # not `memory or ...`: an empty memory has len 0 and is falsy
+            memory = InMemoryEventMemory(spec.num_layers, spec.num_kv_heads, spec.head_dim, memory_dtype)
+        self.memory = memory
         self.state = EpisodicState(lm.model, lm.rope, spec, cfg, self.memory)
         self._pending: list[int] = []  # tokens waiting to fill a chunk
         self._chat_history: list[dict[str, str]] = []
         self._busy = threading.Lock()
+        self._broken: str | None = None  # set when a step failed half-way: the resident state is unusable
+        self._uncommitted = 0  # tokens run since the last commit (persistent sessions)
+        self._stop_requested = False  # set by Ctrl-C during ingest_file; honoured between chunks
+        self.store_memory = self.memory if isinstance(self.memory, NamespaceMemory) else None
+        if self.store_memory is not None:
+            snapshot = self.store_memory.load_checkpoint()
+            if snapshot is not None:
+                self._restore(snapshot)
+
+    # ------------------------------------------------------------------ persistence
+    # Knobs that shape the stream itself: a stored stream can only continue under the same ones.
+    _STREAM_KNOBS = ("window", "segmentation", "refinement", "representatives")
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "engine": self.state.snapshot(), "pending": list(self._pending),
+            "chat_history": json.dumps(self._chat_history),
+            "stream_config": json.dumps({k: getattr(self.cfg, k).model_dump() for k in self._STREAM_KNOBS}),
+        }
+
+    def _restore(self, snapshot: dict[str, Any]) -> None:
+        stored = json.loads(snapshot["stream_config"])
+        mine = {k: getattr(self.cfg, k).model_dump() for k in self._STREAM_KNOBS}
+        if stored != mine:
+            changed = [k for k in self._STREAM_KNOBS if stored.get(k) != mine[k]]
+            raise ConfigError(
+                f"this stream was written with other {', '.join(changed)} settings; open it with the same "
+                f"config (stored: {json.dumps({k: stored.get(k) for k in changed})})"
+            )
+        self.state.restore(snapshot["engine"])
+        self._pending = list(snapshot["pending"])
+        self._chat_history = json.loads(snapshot["chat_history"])
+
+    def commit(self) -> None:
+        """Make the stream durable in its store (done automatically during and after ingest and chat)."""
+        with self._exclusive("commit"):
+            self._commit()
+
+    def _commit(self, document: DocumentProgress | None = None) -> None:
+        if self.store_memory is None:
+            return
+        self.store_memory.document = document
+        self.store_memory.commit(self._snapshot())
+        self._uncommitted = 0
+
+    def close(self) -> None:
+        """Release the session's store namespace (a persistent session commits first)."""
+        with self._exclusive("close"):
+            if self.store_memory is not None:
+                if self._broken is None and self.store_memory.writable and self.store_memory.broken is None:
+                    self._commit()
+                self.store_memory.close()
+                self.store_memory = None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
         if not self._busy.acquire(blocking=False):
             raise SessionError(f"cannot {what}: the session is busy with another call (one stream, one reader)")
         try:
+            if self._broken is not None:
+                raise SessionError(f"cannot {what}: an earlier call stopped half-way ({self._broken}); "
+                                   "open a new session (a stored stream resumes from its last commit)")
             yield
         finally:
             self._busy.release()
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, text: str | Iterable[str], progress: ProgressCallback | None = None) -> IngestReport:
-        """Read `text` (a string, or an iterable of string pieces) into the stream."""
+        """Read `text` (a string, or an iterable of string pieces) into the stream.
+
+        A persistent session commits every `store.commit_tokens` tokens and at the end.
+        """
         started, tokens_before, events_before = time.perf_counter(), self.state.n_tokens, self.state.events_sealed
         pieces: Iterable[str] = [text] if isinstance(text, str) else text
         with self._exclusive("ingest"):
-            for ids in self._tokenize_stream(pieces):
+            for ids, _ in self._tokenize_stream(pieces):
                 self._feed(ids, progress)
             self._flush(progress)
+            self._commit()
         ingested = self.state.n_tokens - tokens_before
         if ingested == 0:
             raise EmptyInputError("nothing to ingest: the input holds no tokens")
@@ -71,19 +144,86 @@ class Session:
             seconds=time.perf_counter() - started,
         )
 
+    def ingest_file(self, path: str | Path, progress: ProgressCallback | None = None) -> IngestReport:
+        """Stream a UTF-8 text file into the stream (checked first: a bad file changes nothing).
+
+        In a persistent session the document is recorded, commits carry its read position, and
+        running the same ingest again after an interruption (Ctrl-C, a kill, a full disk) resumes
+        where the last commit stopped; a file already ingested completely is skipped. Ctrl-C is
+        honoured between chunks: the session commits, then `KeyboardInterrupt` propagates.
+        """
+        checked = check_document(path)
+        started, tokens_before, events_before = time.perf_counter(), self.state.n_tokens, self.state.events_sealed
+        with self._exclusive("ingest"):
+            doc = DocumentProgress(name=str(checked.path.resolve()), size_bytes=checked.size_bytes,
+                                   content_key=checked.content_key, token_start=self.tokens_ingested)
+            resumed_from = 0
+            if self.store_memory is not None:
+                last = self.store_memory.last_document()
+                if last is not None and last.content_key == checked.content_key:
+                    if last.complete:
+                        return IngestReport(tokens=0, events_sealed=0, seconds=0.0, already_ingested=True,
+                                            document_tokens=last.token_end - last.token_start)
+                    doc, resumed_from = last, last.bytes_done
+            with self._deferred_interrupt():
+                doc.bytes_done = resumed_from
+                for ids, n_bytes in self._tokenize_stream(text for text, _ in read_text(checked.path, resumed_from)):
+                    doc.bytes_done += n_bytes
+                    self._feed(ids, progress, doc)
+                    if self._stop_requested:
+                        break
+                if not self._stop_requested:
+                    self._flush(progress)
+                    doc.complete = True
+                doc.token_end = self.tokens_ingested
+                self._commit(doc)
+                if self._stop_requested:
+                    raise KeyboardInterrupt
+        return IngestReport(
+            tokens=self.state.n_tokens - tokens_before, events_sealed=self.state.events_sealed - events_before,
+            seconds=time.perf_counter() - started, resumed_from_byte=resumed_from,
+            document_tokens=self.tokens_ingested - doc.token_start,
+        )
+
+    @contextmanager
+    def _deferred_interrupt(self) -> Iterator[None]:
+        """Turn Ctrl-C into a request honoured between chunks (a chunk cut half-way would be lost)."""
+        self._stop_requested = False
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(_signum: int, _frame: Any) -> None:
+            if self._stop_requested:  # a second Ctrl-C: the user insists; the last commit stands
+                raise KeyboardInterrupt
+            self._stop_requested = True
+
+        previous = signal.signal(signal.SIGINT, request_stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
     def ingest_ids(self, token_ids: list[int], progress: ProgressCallback | None = None) -> None:
         """Read token ids into the stream (all of them: a short last chunk is processed too)."""
         with self._exclusive("ingest"):
             self._feed(token_ids, progress)
             self._flush(progress)
 
-    def _feed(self, token_ids: list[int], progress: ProgressCallback | None = None) -> None:
+    def _feed(
+        self, token_ids: list[int], progress: ProgressCallback | None = None, document: DocumentProgress | None = None
+    ) -> None:
         """Queue token ids; full chunks are processed now, the rest waits for more or for `_flush`."""
         self._pending.extend(token_ids)
         chunk = self.cfg.window.chunk_size
-        while len(self._pending) >= chunk:
-            self._run_chunk(self._pending[:chunk], progress)
+        while len(self._pending) >= chunk and not self._stop_requested:
+            ids = self._pending[:chunk]
             del self._pending[:chunk]
+            self._run_chunk(ids, progress)
+            if self.store_memory is not None and self._uncommitted >= self.cfg.store.commit_tokens:
+                if document is not None:
+                    document.token_end = self.tokens_ingested
+                self._commit(document)
 
     def _flush(self, progress: ProgressCallback | None = None) -> None:
         if self._pending:
@@ -91,11 +231,25 @@ class Session:
             self._pending = []
 
     def _run_chunk(self, ids: list[int], progress: ProgressCallback | None) -> None:
-        self.state.step(torch.tensor(ids, dtype=torch.long), mode="ingest")
+        self._step(torch.tensor(ids, dtype=torch.long), "ingest")
+        self._uncommitted += len(ids)
         if progress is not None:
             progress(self.state.n_tokens, self.state.events_sealed)
 
-    def _tokenize_stream(self, pieces: Iterable[str]) -> Iterator[list[int]]:
+    def _step(self, token_ids: torch.Tensor, mode: str) -> torch.Tensor:
+        try:
+            return self.state.step(token_ids, mode=mode)  # type: ignore[arg-type]
+        except BaseException as err:
+            # The layers may have appended part of this step: the resident state is no longer whole.
+            self._broken = type(err).__name__ + (f": {err}" if str(err) else "")
+            raise
+
+    def _tokenize_stream(self, pieces: Iterable[str]) -> Iterator[tuple[list[int], int]]:
+        """Token ids of the text, piece by piece, with each piece's size in UTF-8 bytes.
+
+        Cuts fall at whitespace about every _TOKENIZE_PIECE_CHARS characters and depend only on the
+        text from the previous cut, so a resumed ingest tokenises exactly as the first run did.
+        """
         tokenizer = self.lm.tokenizer
         carry = ""
         for piece in pieces:
@@ -104,10 +258,10 @@ class Session:
             carry += piece
             while len(carry) >= _TOKENIZE_PIECE_CHARS:
                 cut = _last_whitespace(carry, _TOKENIZE_PIECE_CHARS)
-                yield tokenizer.encode(carry[:cut], add_special_tokens=False)
-                carry = carry[cut:]
+                text, carry = carry[:cut], carry[cut:]
+                yield tokenizer.encode(text, add_special_tokens=False), len(text.encode("utf-8"))
         if carry:
-            yield tokenizer.encode(carry, add_special_tokens=False)
+            yield tokenizer.encode(carry, add_special_tokens=False), len(carry.encode("utf-8"))
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt: str, max_new_tokens: int | None = None) -> str:
@@ -138,6 +292,9 @@ class Session:
             reply.append(piece)
             yield piece
         self._chat_history += [turn, {"role": "assistant", "content": "".join(reply)}]
+        if self.store_memory is not None and self.store_memory.writable:
+            with self._exclusive("commit"):
+                self._commit()  # the conversation itself is episodic memory: keep each turn
 
     def _generate_text(self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids: set[int]) -> Iterator[str]:
         tokenizer = self.lm.tokenizer
@@ -164,7 +321,7 @@ class Session:
             for _ in range(limit):
                 assert logits is not None
                 token = self._pick(logits, generator)
-                logits = self.state.step(torch.tensor([token]), mode="decode")[-1]
+                logits = self._step(torch.tensor([token]), "decode")[-1]
                 if token in stop_ids:
                     return
                 yield token
@@ -208,7 +365,7 @@ class Session:
         results = []
         for event_id, score in zip(best.indices.tolist(), best.values.tolist()):
             event = self.memory.event(event_id)
-            text = self.lm.tokenizer.decode(self.state.text_tokens(event.start, event.end))
+            text = self.lm.tokenizer.decode(self.memory.tokens(event_id))
             results.append(RecalledEvent(
                 event_id=event_id, text=text, token_start=event.start, token_end=event.end, score=score,
             ))

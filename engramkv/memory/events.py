@@ -38,11 +38,16 @@ class EventMemory(Protocol):
         keys: torch.Tensor,  # (layers, Hkv, L, D)
         values: torch.Tensor,  # (layers, Hkv, L, D)
         representatives: torch.Tensor,  # (layers, Hkv * D)
+        token_ids: torch.Tensor,  # (L,) int
     ) -> None: ...
 
     def __len__(self) -> int: ...
 
     def event(self, event_id: int) -> Event: ...
+
+    def tokens(self, event_id: int) -> list[int]:
+        """The token ids the event covers."""
+        ...
 
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         """Top-k event ids by inner product of `query` (Hkv * D,) with the layer's representatives."""
@@ -94,8 +99,12 @@ class InMemoryEventMemory:
         self._keys = [_GrowingBuffer((num_kv_heads,), (head_dim,), dtype) for _ in range(num_layers)]
         self._values = [_GrowingBuffer((num_kv_heads,), (head_dim,), dtype) for _ in range(num_layers)]
         self._reps = [_GrowingBuffer((), (num_kv_heads * head_dim,), torch.float32) for _ in range(num_layers)]
+        self._tokens = _GrowingBuffer((), (), torch.int32)
 
-    def add(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor) -> None:
+    def add(
+        self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
+        token_ids: torch.Tensor,
+    ) -> None:
         if event.id != len(self.events):
             raise ValueError(f"event ids must be consecutive: expected {len(self.events)}, got {event.id}")
         self._offsets.append(self._keys[0].size)
@@ -103,6 +112,7 @@ class InMemoryEventMemory:
             self._keys[layer].append(keys[layer].to(self.dtype))
             self._values[layer].append(values[layer].to(self.dtype))
             self._reps[layer].append(representatives[layer : layer + 1].float())
+        self._tokens.append(token_ids.to(torch.int32))
         self.events.append(event)
 
     def __len__(self) -> int:
@@ -110,6 +120,10 @@ class InMemoryEventMemory:
 
     def event(self, event_id: int) -> Event:
         return self.events[event_id]
+
+    def tokens(self, event_id: int) -> list[int]:
+        start = self._offsets[event_id]
+        return self._tokens.view()[start : start + self.events[event_id].length].tolist()
 
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         if not self.events or k <= 0:

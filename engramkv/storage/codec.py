@@ -1,0 +1,147 @@
+"""Byte codecs for one layer of an event's KV cache: fp16, int8 and int4.
+
+Keys (pre-RoPE) have a few outlier channels, so they are quantised per channel: one
+scale and zero point for each (head, dim), taken over the event's tokens. Values have
+no such channels and are quantised per token: one scale and zero point for each
+(head, token), taken over the head dim. This is the KIVI grouping. Quantisation is
+asymmetric: zero = min, scale = (max - min) / qmax, code = round((x - zero) / scale),
+x̂ = code * scale + zero, so |x - x̂| <= scale / 2 up to float16 rounding of scale,
+zero and the decoded value.
+
+Layout of one layer (H = KV heads, T = tokens, D = head dim; all little-endian, no padding):
+
+    fp16:  K (H, T, D) float16 | V (H, T, D) float16
+    int8:  K scale (H, D) f16 | K zero (H, D) f16 | V scale (H, T) f16 | V zero (H, T) f16
+           | K codes (H, T, D) uint8 | V codes (H, T, D) uint8
+    int4:  as int8, but codes are (H, T, D/2) uint8: element 2i in the low nibble, 2i+1 in the high
+
+The float16 parameters come first so they stay 2-byte aligned relative to the buffer start
+whatever the (possibly odd) length of the codes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+import torch
+
+Codec = Literal["fp16", "int8", "int4"]
+CODECS: tuple[str, ...] = ("fp16", "int8", "int4")
+
+_QMAX = {"int8": 255, "int4": 15}
+_F16_MAX = 65504.0
+
+
+def _check_codec(codec: str) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+
+
+def layer_nbytes(codec: Codec, n_kv_heads: int, n_tokens: int, head_dim: int) -> int:
+    """Exact byte size of one layer's encoded K and V for an event of n_tokens."""
+    _check_codec(codec)
+    h, t, d = n_kv_heads, n_tokens, head_dim
+    if min(h, t, d) < 1:
+        raise ValueError(f"shape (Hkv={h}, T={t}, D={d}) must be positive")
+    if codec == "fp16":
+        return 2 * (2 * h * t * d)
+    if codec == "int4" and d % 2:
+        raise ValueError(f"int4 packs two codes per byte along D, which must be even (got D={d})")
+    params = 2 * (2 * h * d + 2 * h * t)  # float16 scale and zero: per channel for K, per token for V
+    code_bytes = h * t * d if codec == "int8" else h * t * d // 2
+    return params + 2 * code_bytes
+
+
+def _quantise(x: torch.Tensor, dim: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 -> (uint8 codes like x, float16 scale, float16 zero), statistics reduced over `dim`."""
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    zero = lo.half()
+    scale = ((hi - zero.float()) / qmax).half()
+    # Codes are computed against the stored float16 parameters, so decode reproduces exactly what
+    # encode aimed for. A degenerate (or float16-underflowing) range stores scale 0: every code is 0
+    # and decodes to zero; dividing by 1 instead keeps the arithmetic finite.
+    step = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+    codes = ((x - zero.float()) / step).round_().clamp_(0, qmax).to(torch.uint8)
+    return codes, scale, zero
+
+
+def _pack4(codes: torch.Tensor) -> torch.Tensor:  # (H, T, D) uint8 in 0..15 -> (H, T, D/2)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack4(packed: torch.Tensor) -> torch.Tensor:  # (H, T, D/2) uint8 -> (H, T, D)
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def _le_bytes(t: torch.Tensor, dtype: str) -> bytes:
+    return np.ascontiguousarray(t.numpy(), dtype=dtype).tobytes()
+
+
+def encode_layer(codec: Codec, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+    """keys, values: (Hkv, T, D) any float dtype -> bytes of length layer_nbytes(...)."""
+    _check_codec(codec)
+    if keys.dim() != 3 or keys.shape != values.shape:
+        raise ValueError(f"keys and values must share one (Hkv, T, D) shape, got {tuple(keys.shape)} "
+                         f"and {tuple(values.shape)}")
+    h, t, d = keys.shape
+    n = layer_nbytes(codec, h, t, d)  # validates the shape for this codec
+    k = keys.detach().to("cpu", torch.float32)  # (H, T, D)
+    v = values.detach().to("cpu", torch.float32)  # (H, T, D)
+    # NaN compares False, so this also rejects NaN; anything past float16's range would become inf.
+    if not (bool((k.abs() <= _F16_MAX).all()) and bool((v.abs() <= _F16_MAX).all())):
+        raise ValueError("keys/values hold NaN, inf or values outside the float16 range")
+    if codec == "fp16":
+        out = _le_bytes(k.half(), "<f2") + _le_bytes(v.half(), "<f2")
+    else:
+        qmax = _QMAX[codec]
+        k_codes, k_scale, k_zero = _quantise(k, dim=1, qmax=qmax)  # per channel: (H, 1, D) params
+        v_codes, v_scale, v_zero = _quantise(v, dim=2, qmax=qmax)  # per token: (H, T, 1) params
+        if codec == "int4":
+            k_codes, v_codes = _pack4(k_codes), _pack4(v_codes)
+        params = b"".join(_le_bytes(p, "<f2") for p in (k_scale, k_zero, v_scale, v_zero))
+        out = params + _le_bytes(k_codes, "u1") + _le_bytes(v_codes, "u1")
+    assert len(out) == n
+    return out
+
+
+def _read(buffer: memoryview, offset: int, dtype: str, shape: tuple[int, ...], as_dtype: str) -> torch.Tensor:
+    """Read `shape` elements of `dtype` at `offset`, converted to `as_dtype` in memory torch owns."""
+    view = np.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=offset)  # zero-copy, read-only
+    # The conversion is the one copy: the result must outlive the (mmap) buffer, and torch warns on
+    # read-only memory.
+    return torch.from_numpy(view.astype(as_dtype)).view(shape)
+
+
+def decode_layer(
+    codec: Codec, buffer: bytes | memoryview, n_kv_heads: int, n_tokens: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of encode_layer: (keys, values), each float16 (Hkv, T, D).
+
+    Accepts a memoryview slice of an mmap; the only copies are the ones dequantising makes.
+    """
+    n = layer_nbytes(codec, n_kv_heads, n_tokens, head_dim)
+    buf = memoryview(buffer).cast("B")
+    if buf.nbytes != n:
+        raise ValueError(f"{codec} layer of shape ({n_kv_heads}, {n_tokens}, {head_dim}) "
+                         f"needs {n} bytes, got {buf.nbytes}")
+    h, t, d = n_kv_heads, n_tokens, head_dim
+    if codec == "fp16":
+        half = h * t * d * 2
+        return _read(buf, 0, "<f2", (h, t, d), "f2"), _read(buf, half, "<f2", (h, t, d), "f2")
+    k_scale = _read(buf, 0, "<f2", (h, 1, d), "f4")
+    k_zero = _read(buf, 2 * h * d, "<f2", (h, 1, d), "f4")
+    v_scale = _read(buf, 4 * h * d, "<f2", (h, t, 1), "f4")
+    v_zero = _read(buf, 4 * h * d + 2 * h * t, "<f2", (h, t, 1), "f4")
+    at = 4 * h * d + 4 * h * t  # codes start here
+    if codec == "int8":
+        k_codes = _read(buf, at, "u1", (h, t, d), "f4")  # (H, T, D)
+        v_codes = _read(buf, at + h * t * d, "u1", (h, t, d), "f4")  # (H, T, D)
+    else:
+        packed = h * t * d // 2
+        k_codes = _unpack4(_read(buf, at, "u1", (h, t, d // 2), "u1")).float()  # (H, T, D)
+        v_codes = _unpack4(_read(buf, at + packed, "u1", (h, t, d // 2), "u1")).float()  # (H, T, D)
+    keys = torch.addcmul(k_zero, k_codes, k_scale).half()  # (H, T, D)
+    values = torch.addcmul(v_zero, v_codes, v_scale).half()  # (H, T, D)
+    return keys, values
