@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,3 +72,56 @@ def default_pair() -> tuple[torch.nn.Module, EpisodicLM]:
 @pytest.fixture(scope="session")
 def default_lm(default_pair: tuple[torch.nn.Module, EpisodicLM]) -> EpisodicLM:
     return default_pair[1]
+
+
+# ---------------------------------------------------------------------- PostgreSQL
+def _postgres_bin() -> Path | None:
+    found = shutil.which("initdb")
+    if found:
+        return Path(found).resolve().parent
+    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    return versions[-1].parent if versions else None
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """A throwaway PostgreSQL server on a Unix socket (Debian's package); yields the socket directory.
+
+    Skipped where PostgreSQL is not installed, unless ENGRAMKV_REQUIRE_POSTGRES=1 (as in .ci/run).
+    """
+    bin_dir = _postgres_bin()
+    if bin_dir is None:
+        if os.environ.get("ENGRAMKV_REQUIRE_POSTGRES") == "1":
+            pytest.fail("PostgreSQL is required (ENGRAMKV_REQUIRE_POSTGRES=1) but initdb was not found")
+        pytest.skip("PostgreSQL is not installed (apt install postgresql)")
+    base = Path(tempfile.mkdtemp(prefix="engramkv-pg-"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # initdb refuses to run as root: run the server as the package's user
+        shutil.chown(base, "postgres")
+        as_user = ["runuser", "-u", "postgres", "--"]
+    data = base / "data"
+    subprocess.run([*as_user, str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "engramkv"],
+                   check=True, capture_output=True)
+    options = f"-k {base} -c listen_addresses='' -c fsync=off"
+    subprocess.run([*as_user, str(bin_dir / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(base / "log"),
+                    "-w", "start"], check=True, capture_output=True)
+    try:
+        yield str(base)
+    finally:
+        subprocess.run([*as_user, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                       capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def catalog_url(request: pytest.FixtureRequest) -> str | None:
+    """None (the store's own catalog.sqlite) or the URL of a fresh database on the test server."""
+    if request.param == "sqlite":
+        return None
+    import psycopg
+
+    socket_dir = request.getfixturevalue("postgres_server")
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(host=socket_dir, user="engramkv", dbname="postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return f"postgresql+psycopg://engramkv@/{name}?host={socket_dir}"

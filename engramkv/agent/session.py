@@ -17,7 +17,7 @@ from engramkv.agent.documents import check_document, read_text
 from engramkv.agent.engine import EpisodicState
 from engramkv.agent.results import IngestReport, RecalledEvent
 from engramkv.config import EngineConfig
-from engramkv.errors import ConfigError, EmptyInputError, InputError, SessionError
+from engramkv.errors import ConfigError, EmptyInputError, InputError, ReadOnlyError, SessionError
 from engramkv.memory.events import EventMemory, InMemoryEventMemory
 from engramkv.storage.store import DocumentProgress, NamespaceMemory
 
@@ -86,11 +86,13 @@ class Session:
 
     def commit(self) -> None:
         """Make the stream durable in its store (done automatically during and after ingest and chat)."""
+        if self.store_memory is not None and not self.store_memory.writable:
+            raise ReadOnlyError("this session's store was opened read-only; what it adds stays in RAM")
         with self._exclusive("commit"):
             self._commit()
 
     def _commit(self, document: DocumentProgress | None = None) -> None:
-        if self.store_memory is None:
+        if self.store_memory is None or not self.store_memory.writable:
             return
         self.store_memory.document = document
         self.store_memory.commit(self._snapshot())
@@ -292,7 +294,7 @@ class Session:
             reply.append(piece)
             yield piece
         self._chat_history += [turn, {"role": "assistant", "content": "".join(reply)}]
-        if self.store_memory is not None and self.store_memory.writable:
+        if self.store_memory is not None:
             with self._exclusive("commit"):
                 self._commit()  # the conversation itself is episodic memory: keep each turn
 

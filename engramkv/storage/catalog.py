@@ -48,6 +48,7 @@ class StoreInfo(Base):
     __tablename__ = "store_info"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     format_version: Mapped[int] = mapped_column(Integer)
+    store_uuid: Mapped[str] = mapped_column(String(36))  # also in STORE/STORE_ID: pairs catalog and directory
     fingerprint: Mapped[str] = mapped_column(Text)  # JSON of hf.ModelSpec.fingerprint()
     codec: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import threading
+import uuid
 import zlib
 from array import array
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -130,17 +131,29 @@ class EventStore:
 
     def _check_fingerprint(self) -> str:
         mine = self.spec.model_dump()
+        id_file = self.path / "STORE_ID"
+        dir_id = id_file.read_text().strip() if id_file.exists() else None
         with DbSession(self.db) as db:
             info = cat.store_info(db)
             if info is None:
                 if self.read_only:
                     raise StoreError(f"the store at {self.path} is empty")
+                if dir_id is not None:
+                    raise StoreMismatchError(f"{self.path} belongs to a store whose catalog is elsewhere (STORE_ID "
+                                             f"{dir_id}); give the same catalog_url it was created with")
+                store_uuid = str(uuid.uuid4())
+                _write_text_durably(id_file, store_uuid)
                 db.add(cat.StoreInfo(
-                    id=1, format_version=cat.FORMAT_VERSION, fingerprint=json.dumps(mine, sort_keys=True, default=str),
-                    codec=self.cfg.codec,
+                    id=1, format_version=cat.FORMAT_VERSION, store_uuid=store_uuid,
+                    fingerprint=json.dumps(mine, sort_keys=True, default=str), codec=self.cfg.codec,
                 ))
                 db.commit()
                 return self.cfg.codec
+            if dir_id != info.store_uuid:
+                raise StoreMismatchError(
+                    f"the catalog {self.db.url.render_as_string(hide_password=True)} belongs to another store "
+                    f"directory than {self.path} (store ids {info.store_uuid} vs {dir_id}); one catalog per store"
+                )
             if info.format_version != cat.FORMAT_VERSION:
                 raise StoreMismatchError(f"store format {info.format_version}, this engramkv reads {cat.FORMAT_VERSION}")
             theirs = info.fingerprint_dict()
@@ -554,6 +567,15 @@ def _write_durably(path: Path, payload: dict[str, Any]) -> int:
     finally:
         os.close(fd)
     return zlib.crc32(data)
+
+
+def _write_text_durably(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _dir_bytes(path: Path) -> int:
