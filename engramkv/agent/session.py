@@ -174,8 +174,8 @@ class Session:
                     self._feed(ids, progress, doc)
                     if self._stop_requested:
                         break
+                self._flush(progress, doc)
                 if not self._stop_requested:
-                    self._flush(progress)
                     doc.complete = True
                 doc.token_end = self.tokens_ingested
                 self._commit(doc)
@@ -227,8 +227,10 @@ class Session:
                     document.token_end = self.tokens_ingested
                 self._commit(document)
 
-    def _flush(self, progress: ProgressCallback | None = None) -> None:
-        if self._pending:
+    def _flush(self, progress: ProgressCallback | None = None, document: DocumentProgress | None = None) -> None:
+        """Run everything pending: whole chunks first (a restored stream can hold many), then the rest."""
+        self._feed([], progress, document)
+        if self._pending and not self._stop_requested:
             self._run_chunk(self._pending, progress)
             self._pending = []
 

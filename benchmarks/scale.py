@@ -1,0 +1,146 @@
+"""Scale: ingest millions of tokens through engine, segmentation, store and index; report how cost grows.
+
+The default model reads ~240 tokens/s on these CPUs (10M tokens would take about 12 hours), so
+this runs the whole pipeline on a small random Llama (documented in the results: 4 layers,
+hidden 128, 4 heads, 2 KV heads, head_dim 32, vocab 4096) with the default window, segmentation,
+recall and store settings (int8 cold tier unless --codec). The stream is token ids drawn from a
+Zipf-like distribution with a seed, fed through `Session.ingest_ids`.
+
+At each checkpoint (default 100k, 1M, 10M tokens) it reports ingest tokens/s over the last
+interval, peak RSS, disk bytes per token (and as a fraction of the fp16 KV it stands for), and the
+latency of one recall (index search + fetch of the chosen events' KV for every layer, caches
+emptied first so the disk tier is read), p50 and p99 over --recalls queries.
+
+    python benchmarks/scale.py --tokens 10000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from _common import machine, peak_rss_mb, write_results
+from engramkv import EngineConfig, EpisodicLM
+from engramkv.config import StoreConfig
+from engramkv.retrieval.recall import select_events
+
+VOCAB = 4096
+
+
+class IdTokenizer:
+    eos_token_id = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(map(str, ids))
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=8192)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def token_stream(total: int, seed: int, piece: int = 65536):
+    rng = np.random.default_rng(seed)
+    ranks = np.arange(1, VOCAB + 1)
+    probs = (1 / ranks) / (1 / ranks).sum()
+    for start in range(0, total, piece):
+        yield rng.choice(VOCAB, size=min(piece, total - start), p=probs).tolist()
+
+
+def recall_latency(session: Any, n: int, seed: int) -> tuple[float, float]:
+    memory, cfg = session.memory, session.cfg
+    rng = np.random.default_rng(seed)
+    times = []
+    for _ in range(n):
+        memory.hot.clear()
+        memory.warm.clear()
+        target = int(rng.integers(len(memory)))
+        t0 = time.perf_counter()
+        for layer in range(memory.num_layers):
+            query = torch.from_numpy(memory._representatives(target)[layer])  # a stored event's own key summary
+            ids = select_events(memory, layer, query, cfg.recall, cfg.segmentation.min_event)
+            memory.gather(layer, ids)
+        times.append(time.perf_counter() - t0)
+    return float(np.percentile(times, 50) * 1000), float(np.percentile(times, 99) * 1000)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=10_000_000)
+    parser.add_argument("--checkpoints", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
+    parser.add_argument("--codec", default="int8", choices=["fp16", "int8", "int4"])
+    parser.add_argument("--recalls", type=int, default=200)
+    parser.add_argument("--store", type=Path, default=None, help="store directory (default: a temporary one)")
+    parser.add_argument("--name", default="scale")
+    args = parser.parse_args()
+
+    config = EngineConfig(store=StoreConfig(codec=args.codec))
+    lm = EpisodicLM(small_model(), IdTokenizer(), "scale-llama-4x128", config)
+    store = args.store or Path(tempfile.mkdtemp(prefix="engramkv-scale-"))
+    session = lm.session(store=store)
+    spec = lm.spec
+    fp16_bytes_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
+    rows: list[dict[str, Any]] = []
+    checkpoints = sorted(c for c in args.checkpoints if c <= args.tokens)
+    done, last_t, last_n = 0, time.perf_counter(), 0
+    started = last_t
+    for ids in token_stream(args.tokens, seed=0):
+        session.ingest_ids(ids)
+        done += len(ids)
+        if checkpoints and done >= checkpoints[0]:
+            checkpoints.pop(0)
+            session.commit()
+            now = time.perf_counter()
+            p50, p99 = recall_latency(session, args.recalls, seed=done)
+            disk = session.store_memory.store.disk_bytes()
+            row = {
+                "tokens": done, "events": session.events, "tokens_per_s": round((done - last_n) / (now - last_t), 1),
+                "peak_rss_mb": round(peak_rss_mb(), 1), "disk_bytes_per_token": round(disk / done, 1),
+                "disk_vs_fp16_kv": round(disk / done / fp16_bytes_per_token, 3),
+                "recall_ms_p50": round(p50, 2), "recall_ms_p99": round(p99, 2),
+                "index": session.store_memory.indexes.kind, "elapsed_s": round(now - started, 1),
+            }
+            rows.append(row)
+            print(row, flush=True)
+            report(rows, args, spec, fp16_bytes_per_token, started)
+            last_t, last_n = time.perf_counter(), done
+    session.close()
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16: int, started: float) -> None:
+    lines = [
+        f"# Scale ({spec.model_id}: {spec.num_layers} layers, {spec.num_kv_heads} KV heads x {spec.head_dim}; "
+        f"codec {args.codec}; fp16 KV = {fp16} B/token)",
+        "",
+        "| tokens | events | tokens/s | peak RSS MB | disk B/token | disk / fp16 KV | recall p50 ms | recall p99 ms |"
+        " index |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['tokens']:,} | {r['events']:,} | {r['tokens_per_s']} | {r['peak_rss_mb']} | "
+                     f"{r['disk_bytes_per_token']} | {r['disk_vs_fp16_kv']} | {r['recall_ms_p50']} | "
+                     f"{r['recall_ms_p99']} | {r['index']} |")
+    if len(rows) >= 2:
+        first, last = rows[0], rows[-1]
+        lines += ["", f"Peak RSS {last['tokens']:,} / {rows[-2]['tokens']:,} tokens: "
+                      f"{last['peak_rss_mb'] / rows[-2]['peak_rss_mb']:.2f}x; recall p50 {last['tokens']:,} / "
+                      f"{first['tokens']:,}: {last['recall_ms_p50'] / first['recall_ms_p50']:.2f}x."]
+    lines += ["", f"Run time {time.perf_counter() - started:.0f} s.", ""]
+    write_results(args.name, {"rows": rows, "args": {k: str(v) for k, v in vars(args).items()},
+                              "model": spec.model_dump(), "machine": machine()}, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
