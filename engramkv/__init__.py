@@ -12,15 +12,32 @@ from engramkv.agent.session import Session
 from engramkv.config import (
     EngineConfig,
     GenerationConfig,
+    IndexConfig,
     ModelConfig,
     RecallConfig,
     RefinementConfig,
     RepresentativeConfig,
     SegmentationConfig,
+    StoreConfig,
     WindowConfig,
 )
-from engramkv.errors import ConfigError, EmptyInputError, EngramError, InputError, ModelLoadError, SessionError
+from engramkv.errors import (
+    ConfigError,
+    EmptyInputError,
+    EngramError,
+    InputError,
+    ModelLoadError,
+    NamespaceError,
+    ReadOnlyError,
+    SessionError,
+    StoreCorruptError,
+    StoreError,
+    StoreFullError,
+    StoreLockedError,
+    StoreMismatchError,
+)
 from engramkv.memory.events import Event, EventMemory, InMemoryEventMemory
+from engramkv.storage.store import EventStore, NamespaceInfo, NamespaceMemory
 
 __all__ = [
     "ConfigError",
@@ -30,12 +47,18 @@ __all__ = [
     "EpisodicLM",
     "Event",
     "EventMemory",
+    "EventStore",
     "GenerationConfig",
     "InMemoryEventMemory",
+    "IndexConfig",
     "IngestReport",
     "InputError",
     "ModelConfig",
     "ModelLoadError",
+    "NamespaceError",
+    "NamespaceInfo",
+    "NamespaceMemory",
+    "ReadOnlyError",
     "RecallConfig",
     "RecalledEvent",
     "RefinementConfig",
@@ -43,6 +66,12 @@ __all__ = [
     "SegmentationConfig",
     "Session",
     "SessionError",
+    "StoreConfig",
+    "StoreCorruptError",
+    "StoreError",
+    "StoreFullError",
+    "StoreLockedError",
+    "StoreMismatchError",
     "WindowConfig",
 ]
 __version__ = "0.1.0"

@@ -86,6 +86,8 @@ class DocumentProgress:
 
 @dataclass(frozen=True)
 class NamespaceInfo:
+    """One namespace of a store, as `EventStore.namespaces()` lists it."""
+
     user_id: str
     agent_id: str
     session_id: str

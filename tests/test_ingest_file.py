@@ -1,0 +1,142 @@
+"""Ingesting files into a store: bad files change nothing; Ctrl-C and a full disk resume exactly."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+import pytest
+import torch
+
+from engramkv import EngineConfig
+from engramkv.config import RecallConfig, SegmentationConfig, StoreConfig, WindowConfig
+from engramkv.errors import EmptyInputError, InputError, SessionError, StoreFullError
+from engramkv.storage.segments import SegmentLog
+
+from conftest import VOCAB, tiny_pair
+
+CFG = EngineConfig(
+    window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
+    recall=RecallConfig(budget_tokens=64),
+    segmentation=SegmentationConfig(min_event=4, max_event=24),
+    store=StoreConfig(codec="int8", commit_tokens=96),
+)
+
+
+def _doc(path, n=1500, seed=0):
+    ids = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    path.write_text(" ".join(map(str, ids)) + "\n")
+    return path
+
+
+def _spans(session):
+    return [(e.start, e.end) for e in map(session.memory.event, range(session.events))]
+
+
+def _reference(tmp_path, doc):
+    _, lm = tiny_pair("llama", CFG)
+    with lm.session(store=tmp_path / "reference") as s:
+        s.ingest_file(doc)
+        spans = _spans(s)
+    lm.close()
+    return spans
+
+
+@pytest.mark.parametrize("content, error, match", [
+    (b"12 13 \x00\x01\x02 14", InputError, "binary"),
+    (b"12 13 \xff\xfe 14", InputError, "UTF-8"),
+    (b"12 13 \xc3", InputError, "UTF-8"),
+    (b"", EmptyInputError, "no text"),
+    (b" \n\t \n", EmptyInputError, "no text"),
+])
+def test_bad_files_are_refused_and_change_nothing(tmp_path, content, error, match):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(content)
+    _, lm = tiny_pair("llama", CFG)
+    s = lm.session(store=tmp_path / "store")
+    with pytest.raises(error, match=match):
+        s.ingest_file(bad)
+    assert s.tokens_ingested == 0 and s.events == 0
+    assert s.store_memory is not None and s.store_memory.documents() == []
+    assert not list((tmp_path / "store").rglob("*.seg"))
+    s.close()
+    lm.close()
+
+
+def test_missing_files_and_directories_are_refused(tmp_path):
+    _, lm = tiny_pair("llama", CFG)
+    s = lm.session()
+    with pytest.raises(InputError, match="no such file"):
+        s.ingest_file(tmp_path / "nope.txt")
+    with pytest.raises(InputError, match="directory"):
+        s.ingest_file(tmp_path)
+    lm.close()
+
+
+def test_a_complete_document_is_not_ingested_twice(tmp_path):
+    doc = _doc(tmp_path / "doc.txt")
+    _, lm = tiny_pair("llama", CFG)
+    with lm.session(store=tmp_path / "s") as s:
+        first = s.ingest_file(doc)
+        again = s.ingest_file(doc)
+        assert first.tokens == 1500 and not first.already_ingested
+        assert again.already_ingested and again.tokens == 0 and again.document_tokens == 1500
+        assert [d.complete for d in s.store_memory.documents()] == [True]
+    lm.close()
+
+
+def test_ctrl_c_commits_and_the_same_call_resumes_exactly(tmp_path):
+    doc = _doc(tmp_path / "doc.txt", n=2000)
+    expected = _reference(tmp_path, doc)
+    _, lm = tiny_pair("llama", CFG)
+    s = lm.session(store=tmp_path / "s")
+    chunks = [0]
+
+    def press_ctrl_c(tokens, events):
+        chunks[0] += 1
+        if chunks[0] == 20:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered to the handler ingest_file installs
+
+    with pytest.raises(KeyboardInterrupt):
+        s.ingest_file(doc, progress=press_ctrl_c)
+    committed = s.store_memory.committed_tokens
+    assert 0 < committed < 2000
+    s.close()
+    lm.close()
+    _, lm2 = tiny_pair("llama", CFG)
+    with lm2.session(store=tmp_path / "s") as s:
+        report = s.ingest_file(doc)
+        assert report.document_tokens == 2000
+        assert _spans(s) == expected
+    lm2.close()
+
+
+def test_a_full_disk_keeps_the_last_commit_and_resumes(tmp_path, monkeypatch):
+    doc = _doc(tmp_path / "doc.txt", n=2000)
+    expected = _reference(tmp_path, doc)
+    real_append = SegmentLog.append
+    calls = [0]
+
+    def append_until_full(self, payload):
+        calls[0] += 1
+        if calls[0] > 60:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_append(self, payload)
+
+    monkeypatch.setattr(SegmentLog, "append", append_until_full)
+    _, lm = tiny_pair("llama", CFG)
+    s = lm.session(store=tmp_path / "s")
+    with pytest.raises(StoreFullError, match="resume"):
+        s.ingest_file(doc)
+    with pytest.raises(SessionError):  # the resident state stopped half-way: this session is done
+        s.generate_ids([1], max_new_tokens=1)
+    s.store_memory.close()
+    lm.close()
+    monkeypatch.setattr(SegmentLog, "append", real_append)
+    _, lm2 = tiny_pair("llama", CFG)
+    with lm2.session(store=tmp_path / "s") as s:
+        assert s.store_memory.verify() == s.events
+        s.ingest_file(doc)
+        assert _spans(s) == expected
+    lm2.close()
