@@ -6,6 +6,9 @@ sample is correct when the 5-digit key appears in the first generated tokens. Sy
   engram          surprise events + refinement, contiguous positions (the default)
   engram-fixed    same, memory at one fixed distance (InfLLM/EM-LLM position scheme)
   engram-uniform  fixed 128-token blocks, no surprise (the InfLLM-style baseline)
+  engram-store-int8 / -int4 / -fp16
+                  the default engine with its events in a persistent store on disk (a temporary
+                  directory), cold tier in that codec: the effect of the store and its compression
   full            plain transformers full attention over the whole prompt (run only up to --full-max tokens)
 
 Writes benchmarks/results/passkey.json and passkey.md (or --name).
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -24,10 +29,11 @@ import torch
 
 from _common import machine, passkey_sample, peak_rss_mb, write_results
 from engramkv import EngineConfig, EpisodicLM
-from engramkv.config import RecallConfig, SegmentationConfig
+from engramkv.config import SegmentationConfig, StoreConfig
 from engramkv.hf import load_pretrained
 
-SYSTEMS = ("engram", "engram-fixed", "engram-uniform", "full")
+SYSTEMS = ("engram", "engram-fixed", "engram-uniform", "engram-store-int8", "engram-store-int4", "engram-store-fp16",
+           "full")
 
 
 def system_config(base: EngineConfig, system: str) -> EngineConfig:
@@ -36,6 +42,8 @@ def system_config(base: EngineConfig, system: str) -> EngineConfig:
     if system == "engram-uniform":
         seg = SegmentationConfig(mode="uniform", uniform_size=base.segmentation.max_event)
         return base.model_copy(update={"segmentation": seg})
+    if system.startswith("engram-store-"):
+        return base.model_copy(update={"store": StoreConfig(codec=system.removeprefix("engram-store-"))})
     return base
 
 
@@ -74,11 +82,16 @@ def main() -> None:
                 if system == "full":
                     answer, seconds = run_full(plain, tokenizer, context, question, args.max_new_tokens)
                 else:
-                    session = lm.session(system_config(base, system))
+                    store = tempfile.mkdtemp(prefix="engramkv-passkey-") if system.startswith("engram-store") else None
+                    session = lm.session(system_config(base, system), store=store)
                     t0 = time.perf_counter()
                     session.ingest(context)
                     answer = session.generate(question, max_new_tokens=args.max_new_tokens)
                     seconds = time.perf_counter() - t0
+                    session.close()
+                    if store is not None:
+                        lm.close()
+                        shutil.rmtree(store)
                 row = {
                     "system": system, "length": length, "depth": depth, "key": key, "answer": answer,
                     "correct": key in answer, "seconds": round(seconds, 1),
