@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 from pydantic import BaseModel
 
 
@@ -13,6 +15,8 @@ class RecalledEvent(BaseModel):
     token_start: int
     token_end: int
     score: float
+    document: str | None = None  # the file it came from (stored sessions; None for text given directly)
+    time: dt.datetime | None = None  # when it was sealed into the store (stored sessions)
 
 
 class IngestReport(BaseModel):
@@ -28,3 +32,20 @@ class IngestReport(BaseModel):
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class SessionStats(BaseModel):
+    """What `Session.stats` reports: the stream, its memory tiers and its disk use."""
+
+    model: str
+    tokens: int
+    events: int
+    resident_tokens: int  # sinks + local window + not yet sealed
+    documents: list[str]
+    store: str | None
+    namespace: str | None
+    codec: str  # cold-tier codec of the store, or the in-RAM memory dtype
+    hot_bytes: int  # decoded KV on the compute device
+    warm_bytes: int  # encoded blobs in host RAM (in-RAM sessions: all event KV)
+    disk_bytes: int
+    committed_tokens: int

@@ -15,7 +15,7 @@ import torch
 
 from engramkv.agent.documents import check_document, read_text
 from engramkv.agent.engine import EpisodicState
-from engramkv.agent.results import IngestReport, RecalledEvent
+from engramkv.agent.results import IngestReport, RecalledEvent, SessionStats
 from engramkv.config import EngineConfig
 from engramkv.errors import ConfigError, EmptyInputError, InputError, ReadOnlyError, SessionError
 from engramkv.memory.events import EventMemory, InMemoryEventMemory
@@ -54,6 +54,7 @@ class Session:
         self._broken: str | None = None  # set when a step failed half-way: the resident state is unusable
         self._uncommitted = 0  # tokens run since the last commit (persistent sessions)
         self._stop_requested = False  # set by Ctrl-C during ingest_file; honoured between chunks
+        self.current_document: DocumentProgress | None = None  # what ingest_file is reading (bytes_done moves)
         self.store_memory = self.memory if isinstance(self.memory, NamespaceMemory) else None
         if self.store_memory is not None:
             snapshot = self.store_memory.load_checkpoint()
@@ -160,6 +161,7 @@ class Session:
             doc = DocumentProgress(name=str(checked.path.resolve()), size_bytes=checked.size_bytes,
                                    content_key=checked.content_key, token_start=self.tokens_ingested)
             resumed_from = 0
+            self.current_document = doc
             if self.store_memory is not None:
                 last = self.store_memory.last_document()
                 if last is not None and last.content_key == checked.content_key:
@@ -167,6 +169,7 @@ class Session:
                         return IngestReport(tokens=0, events_sealed=0, seconds=0.0, already_ingested=True,
                                             document_tokens=last.token_end - last.token_start)
                     doc, resumed_from = last, last.bytes_done
+                    self.current_document = doc
             with self._deferred_interrupt():
                 doc.bytes_done = resumed_from
                 for ids, n_bytes in self._tokenize_stream(text for text, _ in read_text(checked.path, resumed_from)):
@@ -366,12 +369,16 @@ class Session:
             total[torch.tensor(event_ids)] += z
         total /= len(queries)
         best = torch.topk(total, min(k, n_events))
+        event_ids = best.indices.tolist()
+        details = self.store_memory.event_details(event_ids) if self.store_memory is not None else {}
         results = []
-        for event_id, score in zip(best.indices.tolist(), best.values.tolist()):
+        for event_id, score in zip(event_ids, best.values.tolist()):
             event = self.memory.event(event_id)
             text = self.lm.tokenizer.decode(self.memory.tokens(event_id))
+            document, created = details.get(event_id, (None, None))
             results.append(RecalledEvent(
                 event_id=event_id, text=text, token_start=event.start, token_end=event.end, score=score,
+                document=document, time=created,
             ))
         return results
 
@@ -383,6 +390,23 @@ class Session:
     @property
     def events(self) -> int:
         return len(self.memory)
+
+    def stats(self) -> SessionStats:
+        """Tokens, events, documents, memory tiers and disk use of this session's stream."""
+        store = self.store_memory
+        spec = self.lm.spec
+        return SessionStats(
+            model=spec.model_id, tokens=self.tokens_ingested, events=self.events,
+            resident_tokens=self.state.sink_len + int(self.state.tail_tokens.numel()),
+            documents=[d.name for d in store.documents()] if store is not None else [],
+            store=str(store.store.path) if store is not None else None,
+            namespace="/".join(store.names) if store is not None else None,
+            codec=store.codec if store is not None else self.cfg.recall.memory_dtype,
+            hot_bytes=store.hot.bytes if store is not None else 0,
+            warm_bytes=store.warm.bytes if store is not None else self.memory.kv_bytes,
+            disk_bytes=store.disk_bytes() if store is not None else 0,
+            committed_tokens=store.committed_tokens if store is not None else 0,
+        )
 
 
 def _last_whitespace(text: str, limit: int) -> int:

@@ -502,6 +502,22 @@ class NamespaceMemory:
                                     token_start=row.token_start, bytes_done=row.bytes_done, token_end=row.token_end,
                                     complete=row.complete, id=row.id)
 
+    def event_details(self, event_ids: list[int]) -> dict[int, tuple[str | None, Any]]:
+        """(document name, time sealed) of committed events; uncommitted ones get the current document."""
+        details: dict[int, tuple[str | None, Any]] = {}
+        with DbSession(self.store.db) as db:
+            rows = db.execute(
+                select(cat.EventRow.ordinal, cat.DocumentRow.name, cat.EventRow.created_at)
+                .outerjoin(cat.DocumentRow, cat.EventRow.document_id == cat.DocumentRow.id)
+                .where(cat.EventRow.namespace_id == self.ns_id, cat.EventRow.ordinal.in_(event_ids))
+            ).all()
+        for ordinal, name, created in rows:
+            details[ordinal] = (name, created)
+        current = self.document.name if self.document is not None else None
+        for event_id in event_ids:
+            details.setdefault(event_id, (current, None))
+        return details
+
     def documents(self) -> list[DocumentProgress]:
         with DbSession(self.store.db) as db:
             rows = db.scalars(select(cat.DocumentRow).where(cat.DocumentRow.namespace_id == self.ns_id)

@@ -1,0 +1,256 @@
+"""The `engramkv` command: a thin layer over the library API (every command is a few library calls).
+
+    engramkv ingest PATH... --store DIR     stream files into a store (resumable; Ctrl-C safe)
+    engramkv ask QUESTION --store DIR       one chat turn over the stored stream (read-only)
+    engramkv recall QUERY --store DIR       the events that best match QUERY
+    engramkv stats --store DIR              tokens, events, tiers and disk use of a namespace
+    engramkv sessions list|delete --store DIR
+
+Exit status: 0 success, 1 error (the message says why), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from engramkv.errors import EngramError
+
+DEFAULT_STORE = "~/.engramkv/store"
+
+
+def load_model(name_or_path: str | None, quiet: bool = False) -> Any:
+    """The model behind every command (the test seam: tests swap in a tiny one)."""
+    from engramkv import EpisodicLM
+
+    if not quiet:
+        print(f"loading {name_or_path or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
+    return EpisodicLM.from_pretrained(name_or_path)
+
+
+_loaded: list[Any] = []  # models this invocation loaded; main() closes their stores (releasing the lock)
+
+
+def _model(args: argparse.Namespace) -> Any:
+    lm = load_model(args.model, args.json)
+    _loaded.append(lm)
+    return lm
+
+
+# ---------------------------------------------------------------------- commands
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    lm = _model(args)
+    session = _session(lm, args)
+    results = []
+    try:
+        for path in args.paths:
+            last = session.store_memory.last_document() if session.store_memory is not None else None
+            resolved = str(Path(path).expanduser().resolve())
+            if last is not None and last.name == resolved and not last.complete and not args.json:
+                print(f"resuming {path} at byte {last.bytes_done:,} of {last.size_bytes:,} "
+                      f"({last.token_end - last.token_start:,} tokens already stored)", file=sys.stderr)
+            size = Path(path).stat().st_size if Path(path).is_file() else 0
+            bar = tqdm(total=size, unit="B", unit_scale=True, desc=Path(path).name, disable=args.json,
+                       dynamic_ncols=True)
+            started, first_tokens = time.perf_counter(), session.tokens_ingested
+
+            def progress(tokens: int, events: int, bar: Any = bar, started: float = started,
+                         first_tokens: int = first_tokens) -> None:
+                doc = session.current_document
+                if doc is not None:
+                    bar.n = doc.bytes_done
+                rate = (tokens - first_tokens) / max(time.perf_counter() - started, 1e-9)
+                bar.set_postfix_str(f"{tokens:,} tokens, {rate:,.0f} tok/s, {events:,} events", refresh=True)
+
+            try:
+                report = session.ingest_file(path, progress=progress)
+            finally:
+                if session.current_document is not None:
+                    bar.n = session.current_document.bytes_done
+                bar.close()
+            results.append({"path": path, **report.model_dump()})
+            if not args.json:
+                if report.already_ingested:
+                    print(f"{path}: already in the store ({report.document_tokens:,} tokens); nothing to do")
+                else:
+                    resumed = f", resumed at byte {report.resumed_from_byte:,}" if report.resumed_from_byte else ""
+                    print(f"{path}: {report.tokens:,} tokens in {report.seconds:.0f} s "
+                          f"({report.tokens_per_second:,.0f} tok/s), {report.events_sealed:,} events{resumed}")
+    except KeyboardInterrupt:
+        committed = session.store_memory.committed_tokens if session.store_memory is not None else 0
+        print(f"\ninterrupted: {committed:,} tokens are committed in {args.store}; "
+              "run the same command again to resume", file=sys.stderr)
+        session.close()
+        return 130
+    session.close()
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    lm = _model(args)
+    session = _session(lm, args, read_only=True)
+    recalled = session.recall(args.question, k=args.k) if args.show_recall or args.json else []
+    answer = session.chat(args.question, max_new_tokens=args.max_new_tokens)
+    if args.json:
+        print(json.dumps({"answer": answer, "recalled": [r.model_dump(mode="json") for r in recalled]}))
+    else:
+        print(answer.strip())
+        for r in recalled:
+            print(f"  [{r.score:+.2f}] event {r.event_id} (tokens {r.token_start}-{r.token_end}): "
+                  f"{_one_line(r.text)}")
+    session.close()
+    return 0
+
+
+def cmd_recall(args: argparse.Namespace) -> int:
+    lm = _model(args)
+    session = _session(lm, args, read_only=True)
+    results = session.recall(args.query, k=args.k)
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json") for r in results]))
+    else:
+        for r in results:
+            where = f" from {Path(r.document).name}" if r.document else ""
+            print(f"[{r.score:+.2f}] event {r.event_id}, tokens {r.token_start}-{r.token_end}{where}:")
+            print(f"    {_one_line(r.text, 300)}")
+        if not results:
+            print("no events stored in this namespace")
+    session.close()
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    lm = _model(args)
+    session = _session(lm, args, read_only=True)
+    stats = session.stats()
+    session.close()
+    if args.json:
+        print(stats.model_dump_json())
+    else:
+        for key, value in stats.model_dump().items():
+            shown = f"{value:,}" if isinstance(value, int) else (", ".join(value) or "-") if isinstance(value, list) \
+                else value
+            print(f"{key:>17}: {shown}")
+    return 0
+
+
+def cmd_sessions(args: argparse.Namespace) -> int:
+    lm = _model(args)
+    store = lm.open_store(args.store, read_only=args.action == "list")
+    if args.action == "list":
+        rows = store.namespaces()
+        if args.json:
+            print(json.dumps([row.__dict__ for row in rows]))
+        else:
+            for row in rows:
+                print(f"{row.user_id}/{row.agent_id}/{row.session_id}: {row.tokens:,} tokens, {row.events:,} events, "
+                      f"{row.documents} documents, {row.disk_bytes / 2**20:,.1f} MiB")
+            if not rows:
+                print("no sessions in this store")
+    else:
+        if not args.yes and sys.stdin.isatty():
+            answer = input(f"delete {args.user}/{args.agent}/{args.session} and all its events? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                print("nothing deleted")
+                return 1
+        store.delete_namespace(args.user, args.agent, args.session)
+        print(f"deleted {args.user}/{args.agent}/{args.session}")
+    lm.close()
+    return 0
+
+
+# ---------------------------------------------------------------------- plumbing
+def _session(lm: Any, args: argparse.Namespace, read_only: bool = False) -> Any:
+    return lm.session(store=args.store, user_id=args.user, agent_id=args.agent, session_id=args.session,
+                      read_only=read_only)
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _common(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
+    parser.add_argument("--store", default=DEFAULT_STORE, help=f"store directory (default {DEFAULT_STORE})")
+    parser.add_argument("--user", default="default", help="namespace: user_id (default 'default')")
+    parser.add_argument("--agent", default="default", help="namespace: agent_id (default 'default')")
+    parser.add_argument("--session", default="default", help="namespace: session_id (default 'default')")
+    parser.add_argument("--model", default=None,
+                        help="hub id or local path of a Llama/Qwen2/Mistral model (default: the embedded one)")
+    if json_flag:
+        parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="engramkv", description="Episodic memory inside a language model's "
+                                     "attention: ingest long documents, then ask, recall and chat over them.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("ingest", help="stream text files into a store (resumable, Ctrl-C safe)",
+                       description="Stream UTF-8 text or Markdown files into a store. Binary or undecodable "
+                       "files are refused before anything is written. Ctrl-C commits and stops; running the "
+                       "same command again resumes where it stopped.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="text files to ingest, in order")
+    _common(p)
+    p.set_defaults(run=cmd_ingest)
+
+    p = sub.add_parser("ask", help="ask a question over the stored stream (one chat turn, store unchanged)",
+                       description="One chat turn over everything stored in the namespace. The store is opened "
+                       "read-only: the question and answer are not kept.")
+    p.add_argument("question")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--show-recall", action="store_true", help="also print the events that best match the question")
+    p.add_argument("-k", type=int, default=3, help="events shown with --show-recall or --json (default 3)")
+    _common(p)
+    p.set_defaults(run=cmd_ask)
+
+    p = sub.add_parser("recall", help="the stored events that best match a query",
+                       description="Score every stored event against QUERY (per layer, z-scored, averaged) "
+                       "and print the best K with their text.")
+    p.add_argument("query")
+    p.add_argument("-k", type=int, default=5, help="number of events (default 5)")
+    _common(p)
+    p.set_defaults(run=cmd_recall)
+
+    p = sub.add_parser("stats", help="tokens, events, tiers and disk use of a namespace",
+                       description="Tokens, events, documents, memory tiers and disk use of one namespace.")
+    _common(p)
+    p.set_defaults(run=cmd_stats)
+
+    p = sub.add_parser("sessions", help="list or delete the namespaces of a store",
+                       description="'list' shows every namespace (user/agent/session) of the store; 'delete' "
+                       "removes one with its events, index entries and blobs.")
+    p.add_argument("action", choices=["list", "delete"])
+    p.add_argument("--yes", action="store_true", help="delete without asking")
+    _common(p)
+    p.set_defaults(run=cmd_sessions)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except EngramError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    finally:
+        while _loaded:
+            _loaded.pop().close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The `engramkv` command over a tiny model: every command documented, ingest/ask/recall/stats/sessions work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engramkv import EngineConfig, cli
+from engramkv.config import RecallConfig, SegmentationConfig, StoreConfig, WindowConfig
+
+from conftest import VOCAB, tiny_pair
+
+CFG = EngineConfig(
+    window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
+    recall=RecallConfig(budget_tokens=64),
+    segmentation=SegmentationConfig(min_event=4, max_event=24),
+    store=StoreConfig(codec="int8", commit_tokens=96),
+)
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@pytest.fixture(autouse=True)
+def tiny_model(monkeypatch):
+    monkeypatch.setattr(cli, "load_model", lambda name, quiet=False: tiny_pair("llama", CFG)[1])
+
+
+def _doc(path: Path, n: int = 800, seed: int = 0) -> Path:
+    ids = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    path.write_text(" ".join(map(str, ids)) + "\n")
+    return path
+
+
+def _subcommands() -> dict[str, object]:
+    parser = cli.build_parser()
+    action = next(a for a in parser._actions if a.dest == "command")
+    return dict(action.choices)  # type: ignore[arg-type]
+
+
+def test_every_command_has_help_and_is_in_the_readme():
+    readme = README.read_text()
+    commands = _subcommands()
+    assert set(commands) == {"ingest", "ask", "recall", "stats", "sessions"}
+    for name, sub in commands.items():
+        assert sub.description, f"{name} has no --help description"  # type: ignore[attr-defined]
+        assert f"engramkv {name}" in readme, f"`engramkv {name}` is not documented in the README"
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([name, "--help"])
+        assert exit_info.value.code == 0
+
+
+def test_ingest_then_ask_recall_stats_and_sessions(tmp_path, capsys):
+    doc = _doc(tmp_path / "doc.txt")
+    store = str(tmp_path / "store")
+    assert cli.main(["ingest", str(doc), "--store", store, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)[0]
+    assert report["tokens"] == 800 and report["events_sealed"] > 10
+
+    assert cli.main(["ingest", str(doc), "--store", store]) == 0
+    assert "already in the store" in capsys.readouterr().out
+
+    assert cli.main(["ask", "1 2 3", "--store", store, "--json", "--max-new-tokens", "4"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert len(answer["answer"].split()) == 4 and len(answer["recalled"]) == 3
+    assert answer["recalled"][0]["document"] == str(doc.resolve())
+
+    assert cli.main(["recall", "5 6 7", "--store", store, "-k", "2", "--json"]) == 0
+    recalled = json.loads(capsys.readouterr().out)
+    assert len(recalled) == 2 and recalled[0]["score"] >= recalled[1]["score"]
+
+    assert cli.main(["stats", "--store", store, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["tokens"] == 800 and stats["committed_tokens"] == 800 and stats["disk_bytes"] > 0
+
+    assert cli.main(["sessions", "list", "--store", store, "--json"]) == 0
+    assert [s["session_id"] for s in json.loads(capsys.readouterr().out)] == ["default"]
+    assert cli.main(["sessions", "delete", "--store", store, "--yes"]) == 0
+    assert cli.main(["sessions", "list", "--store", store]) == 0
+    assert "no sessions" in capsys.readouterr().out
+
+
+def test_bad_input_gets_a_message_and_changes_nothing(tmp_path, capsys):
+    binary = tmp_path / "image.png"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00")
+    store = tmp_path / "store"
+    assert cli.main(["ingest", str(binary), "--store", str(store)]) == 1
+    assert "binary" in capsys.readouterr().err
+    assert not list(store.rglob("*.seg"))
+    assert cli.main(["ask", "hello", "--store", str(tmp_path / "missing")]) == 1
+    assert "no engramkv store" in capsys.readouterr().err
+    assert cli.main(["ingest", str(_doc(tmp_path / "d.txt")), "--store", str(store), "--user", "../etc"]) == 1
+    assert "invalid user_id" in capsys.readouterr().err
+
+
+def test_ctrl_c_then_the_same_command_resumes(tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    doc = _doc(tmp_path / "doc.txt", n=1500)
+    store = str(tmp_path / "store")
+    from engramkv.agent.session import Session
+
+    real = Session.ingest_file
+    chunks = [0]
+
+    def interrupted(self, path, progress=None):
+        def press(tokens, events):
+            chunks[0] += 1
+            if progress is not None:
+                progress(tokens, events)
+            if chunks[0] == 15:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        return real(self, path, progress=press)
+
+    monkeypatch.setattr(Session, "ingest_file", interrupted)
+    assert cli.main(["ingest", str(doc), "--store", store]) == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
+    monkeypatch.setattr(Session, "ingest_file", real)
+    assert cli.main(["ingest", str(doc), "--store", store]) == 0
+    captured = capsys.readouterr()
+    assert "resuming" in captured.err and "resumed at byte" in captured.out
