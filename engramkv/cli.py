@@ -5,6 +5,7 @@
     engramkv recall QUERY --store DIR       the events that best match QUERY
     engramkv stats --store DIR              tokens, events, tiers and disk use of a namespace
     engramkv sessions list|delete --store DIR
+    engramkv chat [--store DIR]             the terminal chat app
 
 Exit status: 0 success, 1 error (the message says why), 130 interrupted.
 """
@@ -168,6 +169,14 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from engramkv.tui.app import ChatApp
+
+    app = ChatApp(lambda: load_model(args.model, quiet=True), args.store, args.user, args.agent, args.session)
+    app.run()
+    return 0
+
+
 # ---------------------------------------------------------------------- plumbing
 def _session(lm: Any, args: argparse.Namespace, read_only: bool = False) -> Any:
     return lm.session(store=args.store, user_id=args.user, agent_id=args.agent, session_id=args.session,
@@ -234,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.set_defaults(run=cmd_sessions)
 
+    p = sub.add_parser("chat", help="open the terminal chat app over a store",
+                       description="A Textual chat over one namespace of a store: streamed answers, a memory "
+                       "panel, the events recalled for each answer, a surprise plot, /ingest PATH with a "
+                       "progress bar, /session NAME to switch. Conversation turns are kept as memory.")
+    _common(p, json_flag=False)
+    p.set_defaults(run=cmd_chat, json=False)
     return parser
 
 

@@ -391,6 +391,12 @@ class Session:
     def events(self) -> int:
         return len(self.memory)
 
+    def recent_surprise(self) -> tuple[list[float], list[int]]:
+        """Surprise of the tokens still in the local window, and where events start among them (indices)."""
+        values = self.state.local_surprise.tolist()
+        starts = [b - self.state.local_start for b in self.state.boundaries]
+        return values, [0, *starts] if values else []
+
     def stats(self) -> SessionStats:
         """Tokens, events, documents, memory tiers and disk use of this session's stream."""
         store = self.store_memory
