@@ -3,8 +3,8 @@
 The agent keeps a JSON transcript of tool calls, as an LLM agent framework would: it first calls
 `recall` with the user's question to see which parts of the document are relevant, then `chat`
 with the question, and checks whether the answer is grounded in what recall returned (it shares a
-number or a word of four letters or more with a recalled event); if not, it asks once more with
-the best recalled event quoted. The tools are plain functions over the library API and return
+number or a word of four letters or more with a recalled event that the question does not already
+contain); if not, it asks once more with the recalled events quoted, in document order. The tools are plain functions over the library API and return
 JSON-serialisable dicts, so they plug into any tool-calling loop.
 
     python examples/agent_tool.py                      # the embedded model, a generated report
@@ -36,10 +36,14 @@ def make_tools(session: Session) -> dict[str, Tool]:
     return {"recall": recall, "chat": chat}
 
 
-def grounded(answer: str, events: list[dict[str, Any]]) -> bool:
-    words = {w.lower() for w in re.findall(r"\d+|[A-Za-z]{4,}", answer)}
-    recalled = {w.lower() for e in events for w in re.findall(r"\d+|[A-Za-z]{4,}", e["text"])}
-    return bool(words & recalled)
+def _words(text: str) -> set[str]:
+    return {w.lower() for w in re.findall(r"\d+|[A-Za-z]{4,}", text)}
+
+
+def grounded(answer: str, events: list[dict[str, Any]], question: str = "") -> bool:
+    """Does the answer use something recall found, beyond echoing the question?"""
+    recalled = set().union(*(_words(e["text"]) for e in events)) if events else set()
+    return bool((_words(answer) - _words(question)) & recalled)
 
 
 def run_agent(tools: dict[str, Tool], question: str) -> list[dict[str, Any]]:
@@ -53,8 +57,9 @@ def run_agent(tools: dict[str, Tool], question: str) -> list[dict[str, Any]]:
 
     events = call("recall", query=question)["events"]
     answer = call("chat", message=question)["answer"]
-    if events and not grounded(answer, events):
-        evidence = " ".join(events[0]["text"].split())[:400]
+    if events and not grounded(answer, events, question):
+        in_order = sorted(events, key=lambda e: e["token_start"])
+        evidence = " ".join("".join(e["text"] for e in in_order).split())[:600]
         call("chat", message=f'The document says: "{evidence}"\n{question}')
     return transcript
 

@@ -43,8 +43,10 @@ def test_agent_tools_return_json_and_the_loop_calls_them(tmp_path):
 
 def test_grounding_check():
     events = [{"text": "The warehouse goes to Tampere in March."}]
-    assert agent_tool.grounded("Tampere.", events)
-    assert not agent_tool.grounded("It is a city.", events)
+    question = "Where does the warehouse go?"
+    assert agent_tool.grounded("Tampere.", events, question)
+    assert not agent_tool.grounded("It is a city.", events, question)
+    assert not agent_tool.grounded("The warehouse is in Ashwood.", events, question)  # only echoes the question
 
 
 @pytest.mark.slow
