@@ -276,3 +276,16 @@ def test_event_store_locks_within_a_process_too(tmp_path, cfg):
         EventStore(tmp_path, lm.spec, cfg.store)
     first.close()
     EventStore(tmp_path, lm.spec, cfg.store).close()
+
+
+def test_prefetching_the_next_layer_changes_nothing(tmp_path):
+    answers = []
+    for prefetch in ("off", "on"):
+        cfg = CFG.model_copy(update={"store": CFG.store.model_copy(update={"prefetch": prefetch, "hot_bytes": 4096})})
+        _, lm = tiny_pair("llama", cfg)
+        with lm.session(store=tmp_path / prefetch) as s:
+            s.ingest(_text(700))
+            answers.append(s.generate_ids([1, 2, 3], max_new_tokens=10))
+            assert (s.store_memory._prefetcher is not None) == (prefetch == "on")
+        lm.close()
+    assert answers[0] == answers[1]
