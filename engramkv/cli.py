@@ -64,9 +64,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
             def progress(tokens: int, events: int, bar: Any = bar, started: float = started,
                          first_tokens: int = first_tokens) -> None:
-                doc = session.current_document
-                if doc is not None:
-                    bar.n = doc.bytes_done
+                position = session.ingest_progress()
+                if position is not None:
+                    bar.n = position[0]
                 rate = (tokens - first_tokens) / max(time.perf_counter() - started, 1e-9)
                 bar.set_postfix_str(f"{tokens:,} tokens, {rate:,.0f} tok/s, {events:,} events", refresh=True)
 

@@ -309,17 +309,20 @@ class EpisodicState:
         """
         return {
             "n_tokens": self.n_tokens, "sink_len": self.sink_len, "local_start": self.local_start,
-            "local_surprise": self.local_surprise, "boundaries": list(self.boundaries),
-            "sink_tokens": self.sink_tokens, "tail_tokens": self.tail_tokens, "tail_start": self.tail_start, "last_logits": self.last_logits,
-            "events_sealed": self.events_sealed,
+            "local_surprise": self.local_surprise.clone(), "boundaries": list(self.boundaries),
+            "sink_tokens": self.sink_tokens.clone(), "tail_tokens": self.tail_tokens.clone(),
+            "tail_start": self.tail_start, "last_logits": self.last_logits, "events_sealed": self.events_sealed,
             "segmenter": {
                 "history": list(self.segmenter.history), "event_start": self.segmenter.event_start,
                 "position": self.segmenter.position,
             },
             "layers": [
                 {
-                    "sink_k": st.sink_k.cpu(), "sink_v": st.sink_v.cpu(), "local_k": st.local_k.cpu(),
-                    "local_v": st.local_v.cpu(), "local_attention": st.local_attention, "buffer": list(st.buffer),
+                    # clone(): the resident tensors are views into larger buffers, and saving a view
+                    # would write the whole buffer.
+                    "sink_k": st.sink_k.cpu().clone(), "sink_v": st.sink_v.cpu().clone(),
+                    "local_k": st.local_k.cpu().clone(), "local_v": st.local_v.cpu().clone(),
+                    "local_attention": st.local_attention.clone(), "buffer": list(st.buffer),
                 }
                 for st in self.layers
             ],

@@ -38,7 +38,8 @@ class SessionStats(BaseModel):
     """What `Session.stats` reports: the stream, its memory tiers and its disk use."""
 
     model: str
-    tokens: int
+    tokens: int  # read by the model
+    queued_tokens: int  # tokenised, waiting to fill a chunk
     events: int
     resident_tokens: int  # sinks + local window + not yet sealed
     documents: list[str]

@@ -55,6 +55,7 @@ class Session:
         self._uncommitted = 0  # tokens run since the last commit (persistent sessions)
         self._stop_requested = False  # set by Ctrl-C during ingest_file; honoured between chunks
         self.current_document: DocumentProgress | None = None  # what ingest_file is reading (bytes_done moves)
+        self._fed = [0, 0]  # bytes and tokens that ingest_file has tokenised in this run
         self.store_memory = self.memory if isinstance(self.memory, NamespaceMemory) else None
         if self.store_memory is not None:
             snapshot = self.store_memory.load_checkpoint()
@@ -172,8 +173,11 @@ class Session:
                     self.current_document = doc
             with self._deferred_interrupt():
                 doc.bytes_done = resumed_from
+                self._fed = [0, 0]
                 for ids, n_bytes in self._tokenize_stream(text for text, _ in read_text(checked.path, resumed_from)):
                     doc.bytes_done += n_bytes
+                    self._fed[0] += n_bytes
+                    self._fed[1] += len(ids)
                     self._feed(ids, progress, doc)
                     if self._stop_requested:
                         break
@@ -189,6 +193,19 @@ class Session:
             seconds=time.perf_counter() - started, resumed_from_byte=resumed_from,
             document_tokens=self.tokens_ingested - doc.token_start,
         )
+
+    def ingest_progress(self) -> tuple[int, int] | None:
+        """(bytes the model has read, file size) of the document `ingest_file` is reading, estimated.
+
+        `current_document.bytes_done` is the tokeniser's position, up to a piece ahead of the model;
+        this subtracts the tokens still queued at the running bytes-per-token.
+        """
+        doc = self.current_document
+        if doc is None:
+            return None
+        bytes_per_token = self._fed[0] / self._fed[1] if self._fed[1] else 4.0
+        read = doc.bytes_done - int(len(self._pending) * bytes_per_token)
+        return max(0, min(read, doc.size_bytes)), doc.size_bytes
 
     @contextmanager
     def _deferred_interrupt(self) -> Iterator[None]:
@@ -402,7 +419,7 @@ class Session:
         store = self.store_memory
         spec = self.lm.spec
         return SessionStats(
-            model=spec.model_id, tokens=self.tokens_ingested, events=self.events,
+            model=spec.model_id, tokens=self.state.n_tokens, queued_tokens=len(self._pending), events=self.events,
             resident_tokens=self.state.sink_len + int(self.state.tail_tokens.numel()),
             documents=[d.name for d in store.documents()] if store is not None else [],
             store=str(store.store.path) if store is not None else None,

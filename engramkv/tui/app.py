@@ -139,9 +139,9 @@ class ChatApp(App[int]):
         self.call_from_thread(self._start_progress, size)
 
         def progress(tokens: int, events: int) -> None:
-            doc = self.session.current_document
-            if doc is not None:
-                self.call_from_thread(bar.update, progress=doc.bytes_done)
+            position = self.session.ingest_progress()
+            if position is not None:
+                self.call_from_thread(bar.update, progress=position[0])
             self.call_from_thread(self._refresh_panels)
 
         try:
@@ -241,15 +241,19 @@ class ChatApp(App[int]):
             return
         stats = self.session.stats()
         mb = 2**20
-        self.query_one("#memory", Static).update(
-            f"memory · {stats.model}\n"
-            f"namespace  {stats.namespace}\n"
-            f"tokens     {stats.tokens:,} ({stats.committed_tokens:,} committed)\n"
-            f"events     {stats.events:,}\n"
-            f"documents  {len(stats.documents)}\n"
-            f"hot/warm   {stats.hot_bytes / mb:,.1f} / {stats.warm_bytes / mb:,.1f} MiB\n"
-            f"disk       {stats.disk_bytes / mb:,.1f} MiB ({stats.codec})"
-        )
+        lines = [
+            f"memory · {stats.model}",
+            f"namespace  {stats.namespace}",
+            f"tokens     {stats.tokens:,} ({stats.committed_tokens:,} committed)",
+            f"events     {stats.events:,}",
+            f"documents  {len(stats.documents)}",
+            f"hot/warm   {stats.hot_bytes / mb:,.1f} / {stats.warm_bytes / mb:,.1f} MiB",
+            f"disk       {stats.disk_bytes / mb:,.1f} MiB ({stats.codec})",
+        ]
+        reading = self.session.current_document
+        if reading is not None and not reading.complete:
+            lines.insert(3, f"reading    {Path(reading.name).name}")
+        self.query_one("#memory", Static).update("\n".join(lines))
         values, boundaries = self.session.recent_surprise()
         self.query_one("#surprise", Static).update("surprise (recent input)\n" + surprise_plot(values, boundaries))
 
