@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engramkv.storage.codec import CODECS, decode_layer, encode_layer, layer_nbytes
+from engramkv.storage.codec import CODECS, decode_layer, encode_layer, encode_layers, layer_nbytes
 
 SHAPES = [(1, 1, 2), (2, 1, 64), (3, 7, 64), (3, 64, 64), (2, 33, 8), (4, 255, 16)]
 QMAX = {"int8": 255, "int4": 15}
@@ -121,3 +121,11 @@ def test_int4_codes_take_half_of_int8() -> None:
     assert n_int8 - params == 2 * h * t * d  # one byte per K and V element
     assert 2 * (n_int4 - params) == n_int8 - params  # two 4-bit codes per byte
     assert n_int4 < n_int8 < layer_nbytes("fp16", h, t, d)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int4"])
+def test_encoding_all_layers_at_once_equals_layer_by_layer(codec):
+    keys = torch.randn(5, 3, 7, 8)  # (L, H, T, D)
+    values = torch.randn(5, 3, 7, 8)
+    batched = encode_layers(codec, keys, values)
+    assert batched == [encode_layer(codec, keys[i], values[i]) for i in range(5)]

@@ -52,7 +52,7 @@ from engramkv.errors import (
 from engramkv.hf import ModelSpec
 from engramkv.memory.events import Event
 from engramkv.storage import catalog as cat
-from engramkv.storage.codec import Codec, decode_layer, encode_layer, layer_nbytes
+from engramkv.storage.codec import Codec, decode_layer, encode_layers, layer_nbytes
 from engramkv.storage.index import LayerIndexes
 from engramkv.storage.segments import BlobRef, SegmentError, SegmentLog
 from engramkv.storage.tiers import LRUBytes
@@ -337,7 +337,7 @@ class NamespaceMemory:
             raise ValueError(f"event ids must be consecutive: expected {len(self)}, got {event.id}")
         reps = representatives.detach().float().cpu().numpy()  # (layers, F)
         parts = [token_ids.to(torch.int32).cpu().numpy().astype("<i4").tobytes(), reps.astype("<f4").tobytes()]
-        parts += [encode_layer(self.codec, keys[layer], values[layer]) for layer in range(self.num_layers)]
+        parts += encode_layers(self.codec, keys, values)  # one per layer
         blob = b"".join(parts)
         crc = zlib.crc32(blob)
         if self.writable:
