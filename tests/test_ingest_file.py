@@ -140,3 +140,25 @@ def test_a_full_disk_keeps_the_last_commit_and_resumes(tmp_path, monkeypatch):
         s.ingest_file(doc)
         assert _spans(s) == expected
     lm2.close()
+
+
+def test_unreadable_paths_get_a_clear_message(tmp_path, monkeypatch):
+    blocker = tmp_path / "plain-file"
+    blocker.write_text("x")
+    _, lm = tiny_pair("llama", CFG)
+    s = lm.session()
+    with pytest.raises(InputError):
+        s.ingest_file(blocker / "inside.txt")  # a path through a file: not readable as anything
+    doc = _doc(tmp_path / "doc.txt", n=50)
+    real_open = open
+
+    def denied(path, *args, **kwargs):
+        if str(path) == str(doc):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", denied)  # root reads anything, so deny it by hand
+    with pytest.raises(InputError, match="permission denied"):
+        s.ingest_file(doc)
+    assert s.tokens_ingested == 0
+    lm.close()
