@@ -87,7 +87,7 @@ class RecallConfig(_Strict):
     enabled: bool = True
     budget_tokens: int = Field(default=1024, ge=0, description="Memory tokens per layer in the window.")
     contiguity_fraction: float = Field(
-        default=0.5, ge=0, le=1, description="Share of the budget given to temporal neighbours of the hits."
+        default=0.3, ge=0, le=1, description="Share of the budget given to temporal neighbours of the hits."
     )
     contiguity_buffer: int = Field(
         default=4, ge=0, description="Similarity hits of earlier steps kept as contiguity candidates (0 disables)."
