@@ -85,7 +85,13 @@ class RecallConfig(_Strict):
     """Which events come back into the window, and at which positions."""
 
     enabled: bool = True
-    budget_tokens: int = Field(default=1024, ge=0, description="Memory tokens per layer in the window.")
+    budget_tokens: int = Field(default=1024, ge=0, description="Memory tokens per layer in the window while reading.")
+    answer_budget_tokens: int | None = Field(
+        default=512, ge=0,
+        description="Memory tokens per layer while reading a prompt and generating, at most budget_tokens "
+        "(None: budget_tokens). "
+        "Smaller than the reading budget: a question wants its best matches, not their filler.",
+    )
     contiguity_fraction: float = Field(
         default=0.3, ge=0, le=1, description="Share of the budget given to temporal neighbours of the hits."
     )

@@ -31,7 +31,7 @@ from engramkv.memory.surprise import token_surprise
 from engramkv.retrieval.recall import select_events
 from engramkv.retrieval.window import lower_right_causal_mask, window_positions
 
-Mode = Literal["ingest", "decode", "probe"]
+Mode = Literal["ingest", "prompt", "decode", "probe"]  # prompt = ingest of a question, with the answer budget
 
 
 @dataclass
@@ -146,9 +146,13 @@ class EpisodicState:
             query = self._group_query(q)  # (Hkv * D,)
             if self.mode == "probe":
                 st.probe_query = query
+            recall = self.cfg.recall
+            budget = recall.budget_tokens
+            if self.mode in ("prompt", "decode") and recall.answer_budget_tokens is not None:
+                budget = min(budget, recall.answer_budget_tokens)
             ids = select_events(
-                self.memory, layer, query, self.cfg.recall, self.cfg.segmentation.min_event,
-                None if self.mode == "probe" else st.buffer,
+                self.memory, layer, query, recall, self.cfg.segmentation.min_event,
+                None if self.mode == "probe" else st.buffer, budget=budget,
             )
             if ids != st.recalled_ids or st.recalled_kv is None:
                 k, v = self.memory.gather(layer, ids)
@@ -330,8 +334,8 @@ class EpisodicState:
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         """Inverse of `snapshot` (the event memory must already hold the events it had then)."""
-        for name in ("n_tokens", "sink_len", "local_start", "local_surprise", "sink_tokens", "tail_tokens", "tail_start",
-                     "last_logits", "events_sealed"):
+        for name in ("n_tokens", "sink_len", "local_start", "local_surprise", "sink_tokens", "tail_tokens",
+                     "tail_start", "last_logits", "events_sealed"):
             setattr(self, name, snapshot[name])
         self.boundaries = list(snapshot["boundaries"])
         seg = snapshot["segmenter"]

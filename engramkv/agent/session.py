@@ -233,7 +233,8 @@ class Session:
             self._flush(progress)
 
     def _feed(
-        self, token_ids: list[int], progress: ProgressCallback | None = None, document: DocumentProgress | None = None
+        self, token_ids: list[int], progress: ProgressCallback | None = None, document: DocumentProgress | None = None,
+        mode: str = "ingest",
     ) -> None:
         """Queue token ids; full chunks are processed now, the rest waits for more or for `_flush`."""
         self._pending.extend(token_ids)
@@ -241,21 +242,23 @@ class Session:
         while len(self._pending) >= chunk and not self._stop_requested:
             ids = self._pending[:chunk]
             del self._pending[:chunk]
-            self._run_chunk(ids, progress)
+            self._run_chunk(ids, progress, mode)
             if self.store_memory is not None and self._uncommitted >= self.cfg.store.commit_tokens:
                 if document is not None:
                     document.token_end = self.tokens_ingested
                 self._commit(document)
 
-    def _flush(self, progress: ProgressCallback | None = None, document: DocumentProgress | None = None) -> None:
+    def _flush(
+        self, progress: ProgressCallback | None = None, document: DocumentProgress | None = None, mode: str = "ingest"
+    ) -> None:
         """Run everything pending: whole chunks first (a restored stream can hold many), then the rest."""
-        self._feed([], progress, document)
+        self._feed([], progress, document, mode)
         if self._pending and not self._stop_requested:
-            self._run_chunk(self._pending, progress)
+            self._run_chunk(self._pending, progress, mode)
             self._pending = []
 
-    def _run_chunk(self, ids: list[int], progress: ProgressCallback | None) -> None:
-        self._step(torch.tensor(ids, dtype=torch.long), "ingest")
+    def _run_chunk(self, ids: list[int], progress: ProgressCallback | None, mode: str = "ingest") -> None:
+        self._step(torch.tensor(ids, dtype=torch.long), mode)
         self._uncommitted += len(ids)
         if progress is not None:
             progress(self.state.n_tokens, self.state.events_sealed)
@@ -339,7 +342,7 @@ class Session:
         limit = max_new_tokens if max_new_tokens is not None else self.cfg.generation.max_new_tokens
         with self._exclusive("generate"):
             self._pending.extend(prompt_ids)
-            self._flush()
+            self._flush(mode="prompt")
             generator = torch.Generator().manual_seed(self.cfg.generation.seed)
             logits = self.state.last_logits
             for _ in range(limit):

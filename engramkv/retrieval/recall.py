@@ -26,11 +26,13 @@ def select_events(
     cfg: RecallConfig,
     min_event: int,
     buffer: deque[int] | None = None,
+    budget: int | None = None,  # memory tokens to fill (default cfg.budget_tokens)
 ) -> list[int]:
-    if len(memory) == 0 or cfg.budget_tokens == 0:
+    budget = cfg.budget_tokens if budget is None else budget
+    if len(memory) == 0 or budget == 0:
         return []
-    similarity_budget = int(cfg.budget_tokens * (1 - cfg.contiguity_fraction))
-    candidates, _ = memory.search(layer, query, k=max(1, cfg.budget_tokens // min_event))
+    similarity_budget = int(budget * (1 - cfg.contiguity_fraction))
+    candidates, _ = memory.search(layer, query, k=max(1, budget // min_event))
     chosen: set[int] = set()
     hits: list[int] = []
     used = 0
@@ -42,7 +44,7 @@ def select_events(
             used += length
     if not hits and candidates:  # the best event alone is larger than the similarity share
         first = candidates[0]
-        if memory.event(first).length <= cfg.budget_tokens:
+        if memory.event(first).length <= budget:
             chosen.add(first)
             hits.append(first)
             used += memory.event(first).length
@@ -51,7 +53,7 @@ def select_events(
         nonlocal used
         if 0 <= event_id < len(memory) and event_id not in chosen:
             length = memory.event(event_id).length
-            if used + length <= cfg.budget_tokens:
+            if used + length <= budget:
                 chosen.add(event_id)
                 used += length
 
