@@ -569,10 +569,20 @@ class NamespaceMemory:
 
 
 def _write_durably(path: Path, payload: dict[str, Any]) -> int:
-    """torch.save to a temp file, fsync, rename over `path`, fsync the directory; returns the crc32."""
+    """torch.save `payload` durably over `path` (see _replace_durably); returns the crc32 of the bytes."""
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
+    _replace_durably(path, data)
+    return zlib.crc32(data)
+
+
+def _write_text_durably(path: Path, text: str) -> None:
+    _replace_durably(path, text.encode())
+
+
+def _replace_durably(path: Path, data: bytes) -> None:
+    """Write to a temp file, fsync, rename over `path`, fsync the directory: all or nothing after a crash."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -584,16 +594,6 @@ def _write_durably(path: Path, payload: dict[str, Any]) -> int:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return zlib.crc32(data)
-
-
-def _write_text_durably(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _dir_bytes(path: Path) -> int:
