@@ -81,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=10_000_000)
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
-    parser.add_argument("--codec", default="int8", choices=["fp16", "int8", "int4"])
+    parser.add_argument("--codec", default="int8", choices=["fp16", "int8", "int4", "int2"])
     parser.add_argument("--recalls", type=int, default=200)
     parser.add_argument("--min-event", type=int, default=32)
     parser.add_argument("--store", type=Path, default=None, help="store directory (default: a temporary one)")

@@ -45,7 +45,7 @@ def _model(args: argparse.Namespace) -> Any:
 
 # ---------------------------------------------------------------------- commands
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     lm = _model(args)
     session = _session(lm, args)

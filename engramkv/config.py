@@ -113,6 +113,14 @@ class GenerationConfig(_Strict):
     max_new_tokens: int = Field(default=64, ge=1)
     temperature: float = Field(default=0.0, ge=0, description="0 is greedy.")
     seed: int = 0
+    chat_format: Literal["qa", "template"] = Field(
+        default="qa",
+        description=(
+            "How `chat` renders a turn. 'qa': 'Question: ...\nAnswer:', the reply ending at a blank line. "
+            "'template': the model's chat template. Measured on the embedded 135M model: under its template "
+            "it answers from its own weights and ignores recalled events that it uses in the 'qa' form."
+        ),
+    )
 
 
 class IndexConfig(_Strict):
@@ -128,7 +136,7 @@ class IndexConfig(_Strict):
 class StoreConfig(_Strict):
     """The tiered, persistent event store (used when a session is opened with `store=`)."""
 
-    codec: Literal["fp16", "int8", "int4"] = Field(
+    codec: Literal["fp16", "int8", "int4", "int2"] = Field(
         default="int8", description="Cold-tier (disk) encoding of event KV; fixed when the store is created."
     )
     hot_bytes: int = Field(

@@ -21,12 +21,16 @@ VOCAB = 256
 
 
 class IntTokenizer:
-    """Text is space-separated integers; enough tokenizer for random models."""
+    """Text is space-separated integers; enough tokenizer for random models.
+
+    A word that is not an integer (as in the 'Question: ...' chat format) becomes a stable id of its
+    own, so text prompts work; decoding gives the integers back.
+    """
 
     eos_token_id = None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [int(x) for x in text.split()]
+        return [int(x) if x.isdigit() else sum(x.encode()) % VOCAB for x in text.split()]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(f" {i}" for i in ids)

@@ -7,8 +7,8 @@ import torch
 
 from engramkv.storage.codec import CODECS, decode_layer, encode_layer, encode_layers, layer_nbytes
 
-SHAPES = [(1, 1, 2), (2, 1, 64), (3, 7, 64), (3, 64, 64), (2, 33, 8), (4, 255, 16)]
-QMAX = {"int8": 255, "int4": 15}
+SHAPES = [(1, 1, 4), (2, 1, 64), (3, 7, 64), (3, 64, 64), (2, 33, 8), (4, 255, 16)]
+QMAX = {"int8": 255, "int4": 15, "int2": 3}
 
 
 def kv(h: int, t: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +46,7 @@ def test_fp16_round_trip_is_bit_exact(shape: tuple[int, int, int]) -> None:
         assert torch.equal(k, keys.to(dtype).half()) and torch.equal(v, values.to(dtype).half())
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_quantised_error_within_half_a_step(codec: str, shape: tuple[int, int, int]) -> None:
     keys, values = kv(*shape, seed=1)
@@ -99,13 +99,15 @@ def test_wrong_buffer_size_raises(codec: str) -> None:
 def test_bad_inputs_raise() -> None:
     keys, values = kv(2, 4, 8)
     with pytest.raises(ValueError, match="unknown codec"):
-        encode_layer("int2", keys, values)  # type: ignore[arg-type]
+        encode_layer("int3", keys, values)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown codec"):
         layer_nbytes("bf16", 2, 4, 8)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         encode_layer("int8", keys, values[:, :3])
-    with pytest.raises(ValueError, match="even"):
+    with pytest.raises(ValueError, match="divide by 2"):
         encode_layer("int4", keys[..., :7], values[..., :7])
+    with pytest.raises(ValueError, match="divide by 4"):
+        encode_layer("int2", keys[..., :6], values[..., :6])
     for bad in (float("nan"), float("inf"), 1e6):
         broken = keys.clone()
         broken[0, 0, 0] = bad
@@ -113,17 +115,27 @@ def test_bad_inputs_raise() -> None:
             encode_layer("int8", broken, values)
 
 
-def test_int4_codes_take_half_of_int8() -> None:
+def test_int4_and_int2_codes_take_a_half_and_a_quarter_of_int8() -> None:
     h, t, d = 3, 64, 64
     keys, values = kv(h, t, d)
-    n_int8, n_int4 = len(encode_layer("int8", keys, values)), len(encode_layer("int4", keys, values))
-    params = 2 * (2 * h * d + 2 * h * t)  # the float16 scales and zeros both codecs store
+    n_int8, n_int4, n_int2 = (len(encode_layer(c, keys, values)) for c in ("int8", "int4", "int2"))
+    params = 2 * (2 * h * d + 2 * h * t)  # the float16 scales and zeros the quantised codecs store
     assert n_int8 - params == 2 * h * t * d  # one byte per K and V element
     assert 2 * (n_int4 - params) == n_int8 - params  # two 4-bit codes per byte
-    assert n_int4 < n_int8 < layer_nbytes("fp16", h, t, d)
+    assert 4 * (n_int2 - params) == n_int8 - params  # four 2-bit codes per byte
+    assert n_int2 < n_int4 < n_int8 < layer_nbytes("fp16", h, t, d)
 
 
-@pytest.mark.parametrize("codec", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_packing_is_lossless_for_every_code(bits: int) -> None:
+    from engramkv.storage.codec import _pack, _unpack
+
+    per_byte = 8 // bits
+    codes = torch.arange(2**bits, dtype=torch.uint8).repeat(per_byte * 3)[None, : per_byte * 2**bits]  # (1, D)
+    assert torch.equal(_unpack(_pack(codes, bits), bits), codes)
+
+
+@pytest.mark.parametrize("codec", CODECS)
 def test_encoding_all_layers_at_once_equals_layer_by_layer(codec):
     keys = torch.randn(5, 3, 7, 8)  # (L, H, T, D)
     values = torch.randn(5, 3, 7, 8)

@@ -50,3 +50,8 @@ def test_surprise_is_the_next_token_nll():
     expected = -torch.log_softmax(predictors, -1)[torch.arange(6), ids]
     torch.testing.assert_close(got, expected)
     assert token_surprise(logits, ids, None)[0] == 0  # stream start
+
+
+def test_a_one_token_stream_start_has_zero_surprise():
+    # A stream may begin with a one-token step (a chat template's role marker, read on its own).
+    assert token_surprise(torch.randn(1, 11), torch.tensor([3]), None).tolist() == [0.0]

@@ -158,12 +158,30 @@ def test_a_busy_session_refuses_a_second_call():
     session.ingest("1 2 3")  # free again once the reply is done
 
 
-def test_chat_turns_join_the_stream():
-    _, lm = tiny_pair("llama", CFG)
+@pytest.mark.parametrize("chat_format", ["qa", "template"])
+def test_chat_turns_join_the_stream(chat_format):
+    config = CFG.model_copy(update={"generation": CFG.generation.model_copy(update={"chat_format": chat_format})})
+    _, lm = tiny_pair("llama", config)
     session = lm.session()
     first = session.chat("4 5 6", max_new_tokens=5)
     assert len(first.split()) == 5
     n = session.tokens_ingested
     session.chat("7 8", max_new_tokens=5)
-    # the second turn adds only its own rendering (" 1 7 8 2" after the first reply) plus the reply
+    # the second turn adds only its own rendering plus the reply: "Question: 7 8 Answer:" in the qa
+    # format, " 1 7 8 2" (user role, message, assistant role) after the first reply in the template
     assert session.tokens_ingested == n + 4 + 5
+
+
+def test_a_qa_reply_ends_at_a_blank_line(monkeypatch):
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    pieces = {1: "\n", 2: "\n", 3: " Marj", 4: "atta", 5: ".\n", 6: "\nQuestion", 7: " more"}
+    monkeypatch.setattr(lm.tokenizer, "decode", lambda ids, skip_special_tokens=False: "".join(pieces[i] for i in ids))
+
+    def fake_generate(prompt_ids, max_new_tokens, stop_ids, preamble_ids=()):
+        yield from [1, 2, 3, 4, 5, 6, 7]
+
+    monkeypatch.setattr(session, "_generate", fake_generate)
+    streamed = list(session.chat("who?", stream=True))
+    assert "".join(streamed) == "\n\n Marjatta."  # leading blank lines are not the end of a reply
+    assert all("\n\n" not in p for p in streamed[1:])

@@ -6,7 +6,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -305,17 +305,19 @@ class Session:
         return pieces if stream else "".join(pieces)
 
     def _chat_pieces(self, message: str, max_new_tokens: int | None) -> Iterator[str]:
-        tokenizer = self.lm.tokenizer
         if not message.strip():
             raise EmptyInputError("empty chat message")
         turn = {"role": "user", "content": message}
-        rendered_before = (
-            tokenizer.apply_chat_template(self._chat_history, tokenize=False) if self._chat_history else ""
-        )
-        rendered = tokenizer.apply_chat_template(self._chat_history + [turn], add_generation_prompt=True, tokenize=False)
-        delta = rendered[len(rendered_before) :] if rendered.startswith(rendered_before) else rendered
+        if self.cfg.generation.chat_format == "qa":
+            preamble, question, stop_text = "", f"\n\nQuestion: {message.strip()}\nAnswer:", "\n\n"
+        else:
+            preamble, question, stop_text = *self._template_turn(turn), None
         reply: list[str] = []
-        for piece in self._generate_text(self._encode(delta), max_new_tokens, stop_ids=self._stop_ids()):
+        pieces = self._generate_text(
+            self._encode(question), max_new_tokens, stop_ids=self._stop_ids(), preamble_ids=self._encode(preamble),
+            stop_text=stop_text,
+        )
+        for piece in pieces:
             reply.append(piece)
             yield piece
         self._chat_history += [turn, {"role": "assistant", "content": "".join(reply)}]
@@ -323,24 +325,62 @@ class Session:
             with self._exclusive("commit"):
                 self._commit()  # the conversation itself is episodic memory: keep each turn
 
-    def _generate_text(self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids: set[int]) -> Iterator[str]:
+    def _template_turn(self, turn: dict[str, str]) -> tuple[str, str]:
+        """The new text the chat template adds for `turn`, split into (preamble, question).
+
+        The preamble (system prompt, role markers) is read as a step of its own: recall queries are
+        the mean over a step's tokens, and the question must not be averaged with them.
+        """
+        tokenizer = self.lm.tokenizer
+        rendered_before = (
+            tokenizer.apply_chat_template(self._chat_history, tokenize=False) if self._chat_history else ""
+        )
+        rendered = tokenizer.apply_chat_template(self._chat_history + [turn], add_generation_prompt=True, tokenize=False)
+        delta = rendered[len(rendered_before) :] if rendered.startswith(rendered_before) else rendered
+        at = delta.rfind(turn["content"])
+        return (delta[:at], delta[at:]) if at > 0 else ("", delta)
+
+    def _generate_text(
+        self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids: set[int], preamble_ids: Sequence[int] = (),
+        stop_text: str | None = None,
+    ) -> Iterator[str]:
+        """Decoded pieces of the continuation; with `stop_text`, it ends where that text first follows
+        some non-blank output (the stop text itself is not yielded)."""
         tokenizer = self.lm.tokenizer
         generated: list[int] = []
         emitted = ""
-        for token in self._generate(prompt_ids, max_new_tokens, stop_ids):
-            generated.append(token)
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                continue
-            if len(text) > len(emitted):
-                yield text[len(emitted) :]
-                emitted = text
+        tokens = self._generate(prompt_ids, max_new_tokens, stop_ids, preamble_ids)
+        try:
+            for token in tokens:
+                generated.append(token)
+                text = tokenizer.decode(generated, skip_special_tokens=True)
+                if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                    continue
+                if stop_text is not None:
+                    begun = len(text) - len(text.lstrip())
+                    cut = text.find(stop_text, begun) if begun < len(text) else -1
+                    if cut >= 0:
+                        if cut > len(emitted):
+                            yield text[len(emitted) : cut]
+                        return
+                    # hold back a tail that could be the start of the stop text
+                    text = text[: len(text) - _partial_suffix(text, stop_text)] if begun < len(text) else ""
+                if len(text) > len(emitted):
+                    yield text[len(emitted) :]
+                    emitted = text
+        finally:
+            tokens.close()  # releases the session even when the caller stops early
 
-    def _generate(self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids: set[int]) -> Iterator[int]:
+    def _generate(
+        self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids: set[int], preamble_ids: Sequence[int] = ()
+    ) -> Generator[int, None, None]:
         if not prompt_ids and self.state.n_tokens == 0 and not self._pending:
             raise EmptyInputError("nothing to continue: empty prompt and empty session")
         limit = max_new_tokens if max_new_tokens is not None else self.cfg.generation.max_new_tokens
         with self._exclusive("generate"):
+            if preamble_ids:
+                self._pending.extend(preamble_ids)
+                self._flush(mode="prompt")
             self._pending.extend(prompt_ids)
             self._flush(mode="prompt")
             generator = torch.Generator().manual_seed(self.cfg.generation.seed)
@@ -433,6 +473,14 @@ class Session:
             disk_bytes=store.disk_bytes() if store is not None else 0,
             committed_tokens=store.committed_tokens if store is not None else 0,
         )
+
+
+def _partial_suffix(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of `stop` that `text` ends with."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
 
 
 def _last_whitespace(text: str, limit: int) -> int:

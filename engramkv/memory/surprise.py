@@ -19,7 +19,7 @@ def token_surprise(
     predictors = logits[:-1]  # (T-1, V) predicts tokens 1..T-1
     if previous_logits is not None:
         predictors = torch.cat([previous_logits[None], predictors], dim=0)  # (T, V)
-    targets = token_ids[-predictors.shape[0] :]
+    targets = token_ids[token_ids.shape[0] - predictors.shape[0] :]  # not [-n:]: n may be 0
     # logsumexp - logit: same value as -log_softmax, without writing a (T, V) output.
     nll = torch.logsumexp(predictors, dim=-1) - predictors.gather(1, targets[:, None])[:, 0]  # (T or T-1,)
     if previous_logits is None:

@@ -1,4 +1,4 @@
-"""Byte codecs for one layer of an event's KV cache: fp16, int8 and int4.
+"""Byte codecs for one layer of an event's KV cache: fp16, int8, int4 and int2.
 
 Keys (pre-RoPE) have a few outlier channels, so they are quantised per channel: one
 scale and zero point for each (head, dim), taken over the event's tokens. Values have
@@ -14,6 +14,7 @@ Layout of one layer (H = KV heads, T = tokens, D = head dim; all little-endian, 
     int8:  K scale (H, D) f16 | K zero (H, D) f16 | V scale (H, T) f16 | V zero (H, T) f16
            | K codes (H, T, D) uint8 | V codes (H, T, D) uint8
     int4:  as int8, but codes are (H, T, D/2) uint8: element 2i in the low nibble, 2i+1 in the high
+    int2:  as int8, but codes are (H, T, D/4) uint8: element 4i+j in bits 2j..2j+1 (KIVI-2)
 
 The float16 parameters come first so they stay 2-byte aligned relative to the buffer start
 whatever the (possibly odd) length of the codes.
@@ -27,10 +28,10 @@ from typing import Literal
 import numpy as np
 import torch
 
-Codec = Literal["fp16", "int8", "int4"]
-CODECS: tuple[str, ...] = ("fp16", "int8", "int4")
+Codec = Literal["fp16", "int8", "int4", "int2"]
+CODECS: tuple[str, ...] = ("fp16", "int8", "int4", "int2")
 
-_QMAX = {"int8": 255, "int4": 15}
+_BITS = {"int8": 8, "int4": 4, "int2": 2}
 _F16_MAX = 65504.0
 
 
@@ -47,11 +48,11 @@ def layer_nbytes(codec: Codec, n_kv_heads: int, n_tokens: int, head_dim: int) ->
         raise ValueError(f"shape (Hkv={h}, T={t}, D={d}) must be positive")
     if codec == "fp16":
         return 2 * (2 * h * t * d)
-    if codec == "int4" and d % 2:
-        raise ValueError(f"int4 packs two codes per byte along D, which must be even (got D={d})")
+    per_byte = 8 // _BITS[codec]
+    if d % per_byte:
+        raise ValueError(f"{codec} packs {per_byte} codes per byte along D, which must divide by {per_byte} (got D={d})")
     params = 2 * (2 * h * d + 2 * h * t)  # float16 scale and zero: per channel for K, per token for V
-    code_bytes = h * t * d if codec == "int8" else h * t * d // 2
-    return params + 2 * code_bytes
+    return params + 2 * (h * t * d // per_byte)
 
 
 def _quantise(x: torch.Tensor, dim: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,12 +68,17 @@ def _quantise(x: torch.Tensor, dim: int, qmax: int) -> tuple[torch.Tensor, torch
     return codes, scale, zero
 
 
-def _pack4(codes: torch.Tensor) -> torch.Tensor:  # (H, T, D) uint8 in 0..15 -> (H, T, D/2)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:  # (..., D) uint8 < 2**bits -> (..., D * bits / 8)
+    per_byte = 8 // bits
+    packed = codes[..., 0::per_byte].clone()
+    for j in range(1, per_byte):
+        packed |= codes[..., j::per_byte] << (bits * j)
+    return packed
 
 
-def _unpack4(packed: torch.Tensor) -> torch.Tensor:  # (H, T, D/2) uint8 -> (H, T, D)
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:  # (..., D * bits / 8) uint8 -> (..., D)
+    mask = (1 << bits) - 1
+    return torch.stack([(packed >> (bits * j)) & mask for j in range(8 // bits)], dim=-1).flatten(-2)
 
 
 def encode_layer(codec: Codec, keys: torch.Tensor, values: torch.Tensor) -> bytes:
@@ -104,11 +110,12 @@ def encode_layers(codec: Codec, keys: torch.Tensor, values: torch.Tensor) -> lis
         k16, v16 = k.half().numpy(), v.half().numpy()
         out = [k16[i].astype("<f2").tobytes() + v16[i].astype("<f2").tobytes() for i in range(n_layers)]
     else:
-        qmax = _QMAX[codec]
+        bits = _BITS[codec]
+        qmax = (1 << bits) - 1
         k_codes, k_scale, k_zero = _quantise(k, dim=2, qmax=qmax)  # per channel: (L, H, 1, D) params
         v_codes, v_scale, v_zero = _quantise(v, dim=3, qmax=qmax)  # per token: (L, H, T, 1) params
-        if codec == "int4":
-            k_codes, v_codes = _pack4(k_codes), _pack4(v_codes)
+        if bits < 8:
+            k_codes, v_codes = _pack(k_codes, bits), _pack(v_codes, bits)
         parts = [t.numpy() for t in (k_scale, k_zero, v_scale, v_zero, k_codes, v_codes)]
         dtypes = ("<f2", "<f2", "<f2", "<f2", "u1", "u1")
         out = [b"".join(np.ascontiguousarray(p[i], dtype=dt).tobytes() for p, dt in zip(parts, dtypes))
@@ -146,13 +153,14 @@ def decode_layer(
     v_scale = _read(buf, 4 * h * d, "<f2", (h, t, 1), "f4")
     v_zero = _read(buf, 4 * h * d + 2 * h * t, "<f2", (h, t, 1), "f4")
     at = 4 * h * d + 4 * h * t  # codes start here
-    if codec == "int8":
+    bits = _BITS[codec]
+    if bits == 8:
         k_codes = _read(buf, at, "u1", (h, t, d), "f4")  # (H, T, D)
         v_codes = _read(buf, at + h * t * d, "u1", (h, t, d), "f4")  # (H, T, D)
     else:
-        packed = h * t * d // 2
-        k_codes = _unpack4(_read(buf, at, "u1", (h, t, d // 2), "u1")).float()  # (H, T, D)
-        v_codes = _unpack4(_read(buf, at + packed, "u1", (h, t, d // 2), "u1")).float()  # (H, T, D)
+        width = d * bits // 8
+        k_codes = _unpack(_read(buf, at, "u1", (h, t, width), "u1"), bits).float()  # (H, T, D)
+        v_codes = _unpack(_read(buf, at + h * t * width, "u1", (h, t, width), "u1"), bits).float()  # (H, T, D)
     keys = torch.addcmul(k_zero, k_codes, k_scale).half()  # (H, T, D)
     values = torch.addcmul(v_zero, v_codes, v_scale).half()  # (H, T, D)
     return keys, values
