@@ -73,8 +73,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             try:
                 report = session.ingest_file(path, progress=progress)
             finally:
-                if session.current_document is not None:
-                    bar.n = session.current_document.bytes_done
+                position = session.ingest_progress()
+                if position is not None:
+                    bar.n = position[0]
                 bar.close()
             results.append({"path": path, **report.model_dump()})
             if not args.json:
@@ -85,8 +86,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                     print(f"{path}: {report.tokens:,} tokens in {report.seconds:.0f} s "
                           f"({report.tokens_per_second:,.0f} tok/s), {report.events_sealed:,} events{resumed}")
     except KeyboardInterrupt:
-        committed = session.store_memory.committed_tokens if session.store_memory is not None else 0
-        print(f"\ninterrupted: {committed:,} tokens are committed in {args.store}; "
+        # tokens_ingested counts the tokens still queued for the model: the commit saved them too.
+        print(f"\ninterrupted: {session.tokens_ingested:,} tokens are committed in {args.store}; "
               "run the same command again to resume", file=sys.stderr)
         session.close()
         return 130
