@@ -6,7 +6,7 @@ sample is correct when the 5-digit key appears in the first generated tokens. Sy
   engram          surprise events + refinement, contiguous positions (the default)
   engram-fixed    same, memory at one fixed distance (InfLLM/EM-LLM position scheme)
   engram-uniform  fixed 128-token blocks, no surprise (the InfLLM-style baseline)
-  engram-store-int8 / -int4 / -fp16
+  engram-store-int8 / -int4 / -int2 / -fp16
                   the default engine with its events in a persistent store on disk (a temporary
                   directory), cold tier in that codec: the effect of the store and its compression
   full            plain transformers full attention over the whole prompt (run only up to --full-max tokens)
@@ -32,7 +32,7 @@ from engramkv import EngineConfig, EpisodicLM
 from engramkv.config import SegmentationConfig, StoreConfig
 from engramkv.hf import load_pretrained
 
-SYSTEMS = ("engram", "engram-fixed", "engram-uniform", "engram-store-int8", "engram-store-int4", "engram-store-fp16",
+SYSTEMS = ("engram", "engram-fixed", "engram-uniform", "engram-store-int8", "engram-store-int4", "engram-store-int2", "engram-store-fp16",
            "full")
 
 

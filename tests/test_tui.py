@@ -100,7 +100,7 @@ def test_the_conversation_is_kept_in_the_store(tmp_path):
     assert asyncio.run(reopen()) == tokens
 
 
-@pytest.mark.parametrize("values, boundaries, marks", [([1.0] * 100, [0, 50], 2), ([0.5, 3.0, 1.0], [1], 1)])
+@pytest.mark.parametrize("values, boundaries, marks", [([1.0] * 100, [0, 50], 1), ([1.0] * 100, [30, 50, 90], 3), ([0.5, 3.0, 1.0], [1], 1)])
 def test_surprise_plot_marks_event_starts(values, boundaries, marks):
     bars, marker_row = surprise_plot(values, boundaries, width=20).split("\n")[:2]
     assert len(bars) <= 20 and marker_row.count("^") == marks
@@ -108,3 +108,10 @@ def test_surprise_plot_marks_event_starts(values, boundaries, marks):
 
 def test_surprise_plot_of_nothing():
     assert "no input" in surprise_plot([], [])
+
+
+def test_surprise_plot_draws_only_the_most_recent_tokens():
+    plot = surprise_plot([0.0] * 1000 + [9.0], [0, 500, 990], width=10, tokens_per_column=4)
+    bars, marks, caption = plot.split("\n")
+    assert len(bars) == 10 and marks.count("^") == 1  # only the start at 990 is among the last 40 tokens
+    assert caption.startswith("40 tokens")

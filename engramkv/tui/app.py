@@ -32,10 +32,18 @@ Anything else is a chat message. Ctrl+Q quits."""
 BARS = " ▁▂▃▄▅▆▇█"
 
 
-def surprise_plot(values: list[float], boundaries: list[int], width: int = 36) -> str:
-    """Two text rows: surprise of recent tokens in `width` buckets, and '^' under buckets where an event starts."""
+def surprise_plot(values: list[float], boundaries: list[int], width: int = 36, tokens_per_column: int = 4) -> str:
+    """Two text rows: surprise of recent tokens in `width` buckets, and '^' under buckets where an event starts.
+
+    Only the last `width * tokens_per_column` tokens are drawn: events are tens of tokens long, and
+    with more tokens per column every column would hold an event start.
+    """
     if not values:
         return "(no input yet)"
+    shown = width * tokens_per_column
+    if len(values) > shown:
+        cut = len(values) - shown
+        values, boundaries = values[cut:], [b - cut for b in boundaries if b >= cut]
     per = max(1, -(-len(values) // width))  # tokens per bucket, rounded up
     buckets = [max(values[i : i + per]) for i in range(0, len(values), per)][-width:]
     offset = len(values) - len(buckets) * per  # tokens left of the first shown bucket
