@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
     parser.add_argument("--codec", default="int8", choices=["fp16", "int8", "int4", "int2"])
     parser.add_argument("--recalls", type=int, default=200)
+    parser.add_argument("--hot-mib", type=int, default=None, help="store.hot_bytes in MiB (default: the config's)")
+    parser.add_argument("--warm-mib", type=int, default=None, help="store.warm_bytes in MiB (default: the config's)")
     parser.add_argument("--min-event", type=int, default=32)
     parser.add_argument("--store", type=Path, default=None, help="store directory (default: a temporary one)")
     parser.add_argument("--name", default="scale")
@@ -90,8 +92,13 @@ def main() -> None:
 
     # A random model's surprise is noise, so its events would sit at the 8-token floor; real text on a
     # trained model gives events of tens of tokens. min_event=32 keeps the event count per token realistic.
-    config = EngineConfig(store=StoreConfig(codec=args.codec),
-                          segmentation=SegmentationConfig(min_event=args.min_event))
+    defaults = StoreConfig()
+    store_config = StoreConfig(
+        codec=args.codec,
+        hot_bytes=defaults.hot_bytes if args.hot_mib is None else args.hot_mib * 2**20,
+        warm_bytes=defaults.warm_bytes if args.warm_mib is None else args.warm_mib * 2**20,
+    )
+    config = EngineConfig(store=store_config, segmentation=SegmentationConfig(min_event=args.min_event))
     lm = EpisodicLM(small_model(), IdTokenizer(), "scale-llama-4x128", config)
     store = args.store or Path(tempfile.mkdtemp(prefix="engramkv-scale-"))
     session = lm.session(store=store)
@@ -127,7 +134,8 @@ def main() -> None:
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16: int, started: float) -> None:
     lines = [
         f"# Scale ({spec.model_id}: {spec.num_layers} layers, {spec.num_kv_heads} KV heads x {spec.head_dim}; "
-        f"codec {args.codec}; fp16 KV = {fp16} B/token)",
+        f"codec {args.codec}; fp16 KV = {fp16} B/token; caches hot {args.hot_mib or 'default'} MiB, "
+        f"warm {args.warm_mib or 'default'} MiB)",
         "",
         "| tokens | events | tokens/s | peak RSS MB | disk B/token | disk / fp16 KV | recall p50 ms | recall p99 ms |"
         " index |",
