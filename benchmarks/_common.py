@@ -36,6 +36,19 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def rss_split_mb() -> tuple[float, float]:
+    """Current (anonymous, file-backed) resident MB, from /proc/self/status (Linux; (nan, nan) elsewhere).
+
+    File-backed pages include the memory-mapped segment files that recall reads: page cache the
+    kernel can drop, which peak RSS counts as if it were the process's own memory.
+    """
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        return int(fields["RssAnon"].split()[0]) / 1024, int(fields["RssFile"].split()[0]) / 1024
+    except (OSError, KeyError, ValueError):
+        return float("nan"), float("nan")
+
+
 def machine() -> dict[str, Any]:
     import torch
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from _common import machine, peak_rss_mb, write_results
+from _common import machine, peak_rss_mb, rss_split_mb, write_results
 from engramkv import EngineConfig, EpisodicLM
 from engramkv.config import SegmentationConfig, StoreConfig
 from engramkv.retrieval.recall import select_events
@@ -108,18 +108,23 @@ def main() -> None:
     checkpoints = sorted(c for c in args.checkpoints if c <= args.tokens)
     done, last_t, last_n = 0, time.perf_counter(), 0
     started = last_t
+    anon_max = 0.0  # sampled after every piece: peak RSS also counts the mmapped segments' page cache
     for ids in token_stream(args.tokens, seed=0):
         session.ingest_ids(ids)
         done += len(ids)
+        anon_max = max(anon_max, rss_split_mb()[0])
         if checkpoints and done >= checkpoints[0]:
             checkpoints.pop(0)
             session.commit()
             now = time.perf_counter()
             p50, p99 = recall_latency(session, args.recalls, seed=done)
             disk = session.store_memory.store.disk_bytes()
+            anon, file_backed = rss_split_mb()
+            anon_max = max(anon_max, anon)
             row = {
                 "tokens": done, "events": session.events, "tokens_per_s": round((done - last_n) / (now - last_t), 1),
-                "peak_rss_mb": round(peak_rss_mb(), 1), "disk_bytes_per_token": round(disk / done, 1),
+                "peak_rss_mb": round(peak_rss_mb(), 1), "anon_rss_max_mb": round(anon_max, 1),
+                "file_rss_mb": round(file_backed, 1), "disk_bytes_per_token": round(disk / done, 1),
                 "disk_vs_fp16_kv": round(disk / done / fp16_bytes_per_token, 3),
                 "recall_ms_p50": round(p50, 2), "recall_ms_p99": round(p99, 2),
                 "index": session.store_memory.indexes.kind, "elapsed_s": round(now - started, 1),
@@ -137,18 +142,21 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16
         f"codec {args.codec}; fp16 KV = {fp16} B/token; caches hot {args.hot_mib or 'default'} MiB, "
         f"warm {args.warm_mib or 'default'} MiB)",
         "",
-        "| tokens | events | tokens/s | peak RSS MB | disk B/token | disk / fp16 KV | recall p50 ms | recall p99 ms |"
-        " index |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| tokens | events | tokens/s | peak RSS MB | anonymous RSS max MB | file-backed RSS MB | disk B/token |"
+        " disk / fp16 KV | recall p50 ms | recall p99 ms | index |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['tokens']:,} | {r['events']:,} | {r['tokens_per_s']} | {r['peak_rss_mb']} | "
+                     f"{r.get('anon_rss_max_mb', 'n/a')} | {r.get('file_rss_mb', 'n/a')} | "
                      f"{r['disk_bytes_per_token']} | {r['disk_vs_fp16_kv']} | {r['recall_ms_p50']} | "
                      f"{r['recall_ms_p99']} | {r['index']} |")
     if len(rows) >= 2:
         first, last = rows[0], rows[-1]
+        anon = (f"; anonymous RSS max {last['anon_rss_max_mb'] / rows[-2]['anon_rss_max_mb']:.2f}x"
+                if "anon_rss_max_mb" in last else "")
         lines += ["", f"Peak RSS {last['tokens']:,} / {rows[-2]['tokens']:,} tokens: "
-                      f"{last['peak_rss_mb'] / rows[-2]['peak_rss_mb']:.2f}x; recall p50 {last['tokens']:,} / "
+                      f"{last['peak_rss_mb'] / rows[-2]['peak_rss_mb']:.2f}x{anon}; recall p50 {last['tokens']:,} / "
                       f"{first['tokens']:,}: {last['recall_ms_p50'] / first['recall_ms_p50']:.2f}x."]
     lines += ["", f"Run time {time.perf_counter() - started:.0f} s.", ""]
     write_results(args.name, {"rows": rows, "args": {k: str(v) for k, v in vars(args).items()},
