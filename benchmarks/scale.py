@@ -18,6 +18,7 @@ emptied first so the disk tier is read), p50 and p99 over --recalls queries.
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -134,6 +135,9 @@ def main() -> None:
             report(rows, args, spec, fp16_bytes_per_token, started)
             last_t, last_n = time.perf_counter(), done
     session.close()
+    lm.close()
+    if args.store is None:
+        shutil.rmtree(store)  # a temporary store of up to a few GB: do not leave it behind
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16: int, started: float) -> None:
