@@ -8,33 +8,17 @@ review the new screens and update them with `pytest tests/test_tui_snapshots.py 
 from __future__ import annotations
 
 import torch
-from textual.widgets import Input
 
 from engramkv.tui.app import ChatApp
 
 from conftest import VOCAB, tiny_pair
-from test_tui import CFG
+from test_tui import CFG, _submit, _until_idle
 
 SIZE = (120, 34)
 
 
 def _app() -> ChatApp:
     return ChatApp(lambda: tiny_pair("llama", CFG)[1], "store")
-
-
-async def _until_idle(pilot) -> None:
-    for _ in range(1200):
-        if pilot.app.busy is None:
-            break
-        await pilot.pause(0.05)
-    assert pilot.app.busy is None, f"still busy: {pilot.app.busy}"
-
-
-async def _submit(pilot, text: str) -> None:
-    pilot.app.query_one("#prompt", Input).value = text
-    await pilot.press("enter")
-    await pilot.pause(0.05)
-    await _until_idle(pilot)
 
 
 def _ingested_store() -> None:
@@ -48,7 +32,7 @@ def _ingested_store() -> None:
 
 def test_the_opening_screen(snap_compare, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert snap_compare(_app(), terminal_size=SIZE, run_before=_until_idle)
+    assert snap_compare(_app(), terminal_size=SIZE, run_before=lambda pilot: _until_idle(pilot, pilot.app))
 
 
 def test_an_answer_with_its_recalled_events(snap_compare, tmp_path, monkeypatch):
@@ -56,8 +40,8 @@ def test_an_answer_with_its_recalled_events(snap_compare, tmp_path, monkeypatch)
     _ingested_store()
 
     async def ask(pilot) -> None:
-        await _until_idle(pilot)
-        await _submit(pilot, "1 2 3")
+        await _until_idle(pilot, pilot.app)
+        await _submit(pilot, pilot.app, "1 2 3")
 
     assert snap_compare(_app(), terminal_size=SIZE, run_before=ask)
 
@@ -66,7 +50,7 @@ def test_the_help_screen(snap_compare, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
     async def help_(pilot) -> None:
-        await _until_idle(pilot)
-        await _submit(pilot, "/help")
+        await _until_idle(pilot, pilot.app)
+        await _submit(pilot, pilot.app, "/help")
 
     assert snap_compare(_app(), terminal_size=SIZE, run_before=help_)
