@@ -100,13 +100,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 def cmd_ask(args: argparse.Namespace) -> int:
     lm = _model(args)
     session = _session(lm, args, read_only=True)
-    recalled = session.recall(args.question, k=args.k) if args.show_recall or args.json else []
     answer = session.chat(args.question, max_new_tokens=args.max_new_tokens)
+    recalled = session.last_recalled[: args.k]  # the events the answer attended to, best match first
     if args.json:
         print(json.dumps({"answer": answer, "recalled": [r.model_dump(mode="json") for r in recalled]}))
     else:
         print(answer.strip())
-        for r in recalled:
+        for r in recalled if args.show_recall else []:
             print(f"  [{r.score:+.2f}] event {r.event_id} (tokens {r.token_start}-{r.token_end}): "
                   f"{_one_line(r.text)}")
     session.close()
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "read-only: the question and answer are not kept.")
     p.add_argument("question")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--show-recall", action="store_true", help="also print the events that best match the question")
+    p.add_argument("--show-recall", action="store_true", help="also print the events the answer attended to, best match first")
     p.add_argument("-k", type=int, default=3, help="events shown with --show-recall or --json (default 3)")
     _common(p)
     p.set_defaults(run=cmd_ask)

@@ -53,8 +53,11 @@ def make_text(path: Path, n_tokens: int, seed: int = 0) -> None:
     path.write_text(" ".join(str(rng.randrange(256)) for _ in range(n_tokens)) + "\n")
 
 
-def run_worker(store: Path, text: Path, kill_after: float | None) -> bool:
-    """Run one worker; kill it `kill_after` seconds into its ingest. True if it finished on its own."""
+def run_worker(store: Path, text: Path, kill_after: float | None) -> float | None:
+    """Run one worker; kill it `kill_after` seconds into its ingest.
+
+    Returns the seconds its ingest took if it finished on its own, None if it was killed.
+    """
     proc = subprocess.Popen([sys.executable, __file__, "--worker", str(store), str(text)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -62,17 +65,18 @@ def run_worker(store: Path, text: Path, kill_after: float | None) -> bool:
     if not line.startswith("ingesting"):
         proc.wait()
         raise RuntimeError(f"worker failed to start: {line}{proc.stderr.read() if proc.stderr else ''}")
+    started = time.perf_counter()
     if kill_after is not None:
         try:
             proc.wait(timeout=kill_after)
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-            return False
+            return None
     out, err = proc.communicate(timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"worker failed: {err}")
-    return True
+    return time.perf_counter() - started
 
 
 def check_store(store: Path) -> dict[str, int]:
@@ -115,28 +119,30 @@ def harness(workdir: Path, kills: int, n_tokens: int, seed: int = 0, log: Any = 
     rng = random.Random(seed)
     text = workdir / "doc.txt"
     make_text(text, n_tokens)
-    started = time.perf_counter()
-    run_worker(workdir / "reference", text, kill_after=None)
-    duration = time.perf_counter() - started  # includes start-up: kills land anywhere in the run
+    duration = run_worker(workdir / "reference", text, kill_after=None)
     reference = events_of(workdir / "reference")
-    tried, runs, complete_runs = 0, 0, 0
+    tried, runs, complete_runs, missed = 0, 0, 0, 0
     while tried < kills:
         store = workdir / f"crash-{runs}"
         runs += 1
+        stored = 0
         while True:
-            delay = rng.uniform(0.0, duration) if tried < kills else None  # kill budget spent: let it finish
-            finished = run_worker(store, text, kill_after=delay)
+            # A kill lands anywhere in what is left of the ingest (a resumed worker has less to do).
+            left = duration * max(0.05, 1 - stored / len(reference))
+            delay = rng.uniform(0.0, left) if tried < kills else None  # kill budget spent: let it finish
+            finished = run_worker(store, text, kill_after=delay) is not None
             if finished:
+                missed += delay is not None
                 break
             tried += 1
-            check = check_store(store)
-            log(f"kill {tried}: after {delay:.2f} s, store holds {check['events']} verified events")
+            stored = check_store(store)["events"]
+            log(f"kill {tried}: after {delay:.2f} s, store holds {stored} verified events")
         complete_runs += 1
         got = events_of(store)
         assert got == reference, f"resumed ingest differs: {len(got)} events vs {len(reference)}"
         log(f"run {runs}: resumed to completion, {len(got)} events equal the uninterrupted run")
-    return {"kills": tried, "runs_completed_and_compared": complete_runs, "reference_events": len(reference),
-            "tokens": n_tokens}
+    return {"kills": tried, "kills_that_came_too_late": missed, "runs_completed_and_compared": complete_runs,
+            "reference_events": len(reference), "tokens": n_tokens}
 
 
 def main() -> None:
@@ -163,7 +169,9 @@ def main() -> None:
         f"store opened, every checksum verified, segments matched the catalog and the checkpoint loaded. "
         f"{result['runs_completed_and_compared']} resumed runs finished and matched the uninterrupted run's "
         f"{result['reference_events']} events exactly ({result['tokens']} tokens, tiny Llama). "
-        f"Run time {result['seconds']} s.\n"
+        f"{result['kills_that_came_too_late']} more kill times fell after the worker had finished (not counted). "
+        f"Run time {result['seconds']} s.\n\nCommand: `python tests/crash_harness.py --kills {result['kills']} "
+        f"--tokens {result['tokens']}`\n"
     )
     print(json.dumps(result))
 

@@ -1,4 +1,5 @@
-"""Per-layer FAISS indexes: exact while flat, IVF-SQ8 past the threshold, saved and caught up on load."""
+"""Per-layer FAISS indexes and the key-summary index: exact while flat, IVF-SQ8 past the threshold,
+saved and caught up on load."""
 
 from __future__ import annotations
 
@@ -9,17 +10,22 @@ from engramkv.config import IndexConfig
 from engramkv.storage.index import LayerIndexes
 
 LAYERS, DIM = 2, 16
+SUMMARY_LAYERS = [1]
 
 
 def _vectors(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, LAYERS, DIM)).astype(np.float32)  # (n, layers, F)
 
 
+def _summary(vectors: np.ndarray) -> np.ndarray:  # (layers, F) -> (S * F,): any fixed function of the event will do
+    return -vectors[SUMMARY_LAYERS].reshape(-1)
+
+
 def _filled(n: int, cfg: IndexConfig) -> tuple[LayerIndexes, np.ndarray]:
     vectors = _vectors(n)
-    index = LayerIndexes(LAYERS, DIM, cfg)
+    index = LayerIndexes(LAYERS, DIM, cfg, SUMMARY_LAYERS)
     for event_id in range(n):
-        index.add(event_id, vectors[event_id])
+        index.add(event_id, vectors[event_id], _summary(vectors[event_id]))
     return index, vectors
 
 
@@ -31,6 +37,9 @@ def test_flat_search_is_exact():
         expected = np.argsort(-(vectors[:, layer] @ query.numpy()))[:5]
         assert ids == expected.tolist()
         assert scores == sorted(scores, reverse=True)
+    query = torch.from_numpy(vectors[:, 1].sum(axis=0))
+    ids, _ = index.search_summary(query, k=5)
+    assert ids == np.argsort(vectors[:, 1] @ query.numpy())[:5].tolist()  # the summary is minus layer 1
     assert index.kind == "flat"
 
 
@@ -43,7 +52,9 @@ def test_past_the_threshold_it_becomes_ivf_and_still_finds_the_best():
         query = torch.from_numpy(vectors[event_id, 0] * 10)
         ids, _ = index.search(0, query, k=10)
         hits += event_id in ids
-    assert hits >= 18  # approximate search: its own vector is in the top 10 almost always
+        summary_ids, _ = index.search_summary(torch.from_numpy(_summary(vectors[event_id]) * 10), k=10)
+        hits += event_id in summary_ids
+    assert hits >= 36  # approximate search: its own vector is in the top 10 almost always
 
 
 def test_save_load_and_catch_up(tmp_path):
@@ -55,10 +66,46 @@ def test_save_load_and_catch_up(tmp_path):
     def representatives_of(event_id: int) -> np.ndarray:
         return vectors[event_id] if event_id < 30 else more[event_id]
 
-    loaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, committed_events=40, representatives_of=representatives_of)
-    assert len(loaded) == 40
+    summaries_computed = []
+
+    def summary_of(event_id: int) -> np.ndarray:
+        summaries_computed.append(event_id)
+        return _summary(representatives_of(event_id))
+
+    def load(committed: int, summary_layers: list[int] = SUMMARY_LAYERS) -> LayerIndexes:
+        summaries_computed.clear()
+        return LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, summary_layers, committed, representatives_of, summary_of)
+
+    loaded = load(40)
+    assert len(loaded) == 40 and int(loaded.summary.ntotal) == 40
+    assert summaries_computed == list(range(30, 40))  # only the events the saved index lacked
+    assert loaded.saved_events == 30  # the other ten are saved at the next commit
     query = torch.from_numpy(more[35, 1])
     assert loaded.search(1, query, k=1)[0][0] in range(40)
+    summaries = np.stack([_summary(representatives_of(e)) for e in range(40)])  # (40, S * F)
+    query = torch.from_numpy(_summary(more[35]))
+    assert loaded.search_summary(query, k=1)[0] == [int(np.argmax(summaries @ query.numpy()))]
     # An index saved ahead of the catalog (commit lost) is rebuilt from the blobs.
-    ahead = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, committed_events=20, representatives_of=representatives_of)
-    assert len(ahead) == 20
+    ahead = load(20)
+    assert len(ahead) == 20 and int(ahead.summary.ntotal) == 20
+
+
+def test_a_summary_of_other_layers_or_a_missing_one_is_rebuilt(tmp_path):
+    cfg = IndexConfig()
+    index, vectors = _filled(12, cfg)
+    index.save(tmp_path)
+    computed = []
+
+    def summary_of(event_id: int) -> np.ndarray:
+        computed.append(event_id)
+        return vectors[event_id][[0]].reshape(-1)
+
+    loaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, [0], 12, lambda e: vectors[e], summary_of)
+    assert computed == list(range(12)) and loaded.summary_layers == [0]
+    assert loaded.saved_events == 0  # a rebuilt summary index must be written again
+    query = vectors[5][0]
+    assert loaded.search_summary(torch.from_numpy(query), k=1)[0] == [int(np.argmax(vectors[:, 0] @ query))]
+    (tmp_path / "summary.faiss").unlink()
+    computed.clear()
+    LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, 12, lambda e: vectors[e], summary_of)
+    assert computed == list(range(12))

@@ -14,7 +14,8 @@ def _memory(lengths, hot=None):
         rep = torch.full((layers, heads * dim), 0.0)
         rep[:, 0] = 10.0 if i == hot else float(i % 3)
         kv = torch.full((layers, heads, n, dim), float(i))
-        memory.add(Event(i, start, start + n, 1.0, 2.0), kv, kv, rep, torch.zeros(n, dtype=torch.int32))
+        summary = torch.zeros(layers * heads * dim)
+        memory.add(Event(i, start, start + n, 1.0, 2.0), kv, kv, rep, summary, torch.zeros(n, dtype=torch.int32))
         start += n
     return memory
 

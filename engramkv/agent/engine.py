@@ -28,6 +28,7 @@ from engramkv.memory.events import Event, EventMemory
 from engramkv.memory.refinement import refine_boundary, similarity_graph
 from engramkv.memory.segmentation import OnlineSegmenter
 from engramkv.memory.surprise import token_surprise
+from engramkv.retrieval.key_match import key_summary, summary_layer_ids
 from engramkv.retrieval.recall import select_events
 from engramkv.retrieval.window import lower_right_causal_mask, window_positions
 
@@ -45,6 +46,16 @@ class _LayerState:
     recalled_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     buffer: deque[int] = field(default_factory=deque)
     probe_query: torch.Tensor | None = None  # (Hkv * D,) set in probe mode
+    probe_keys: torch.Tensor | None = None  # (Hkv, C, D) pre-RoPE, set in probe mode
+
+
+@dataclass
+class Probe:
+    """What the model computed for probed tokens, per layer, without the stream changing."""
+
+    queries: list[torch.Tensor]  # (Hkv * D,) each: the recall query of the step
+    keys: list[torch.Tensor]  # (Hkv, C, D) each: the probed tokens' pre-RoPE keys
+    recalled: list[list[int]]  # the events each layer's query recall chose for the probed tokens
 
 
 class EpisodicState:
@@ -88,6 +99,9 @@ class EpisodicState:
         self.recall_now = True
         self.decode_steps = 0
         self.events_sealed = 0
+        self.summary_layers = summary_layer_ids(spec.num_layers, cfg.recall.summary_layers)
+        # Set for a chat turn: every layer attends to these events while the answer is read and written.
+        self.pinned_events: list[int] | None = None
         self._masks: dict[int, torch.Tensor] = {}  # wide causal masks by query count
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (P, D)
 
@@ -117,6 +131,8 @@ class EpisodicState:
         if self.mode != "probe":
             received = self._attention_received(q_rot, k_rot, scaling, n_sink + n_mem)  # (Hkv, L + C)
             self._append(st, k, v, received)
+        else:
+            st.probe_keys = k
         return out.transpose(1, 2)  # (1, C, H, D)
 
     def _mask(self, n_queries: int, n_keys: int) -> torch.Tensor:  # (C, N) bool view
@@ -150,10 +166,13 @@ class EpisodicState:
             budget = recall.budget_tokens
             if self.mode in ("prompt", "decode") and recall.answer_budget_tokens is not None:
                 budget = min(budget, recall.answer_budget_tokens)
-            ids = select_events(
-                self.memory, layer, query, recall, self.cfg.segmentation.min_event,
-                None if self.mode == "probe" else st.buffer, budget=budget,
-            )
+            if self.pinned_events is not None and self.mode in ("prompt", "decode"):
+                ids = self.pinned_events
+            else:
+                ids = select_events(
+                    self.memory, layer, query, recall, self.cfg.segmentation.min_event,
+                    None if self.mode == "probe" else st.buffer, budget=budget,
+                )
             if ids != st.recalled_ids or st.recalled_kv is None:
                 k, v = self.memory.gather(layer, ids)
                 st.recalled_kv = (k.to(self.device, self.dtype), v.to(self.device, self.dtype))
@@ -268,13 +287,14 @@ class EpisodicState:
         keys = torch.stack([st.local_k[:, :n] for st in self.layers])  # (layers, Hkv, n, D)
         values = torch.stack([st.local_v[:, :n] for st in self.layers])  # (layers, Hkv, n, D)
         reps = torch.stack([self._representative(st, n) for st in self.layers])  # (layers, Hkv * D)
+        summary = key_summary(keys[self.summary_layers].cpu())  # (S * Hkv * D,)
         surprise = self.local_surprise[:n]
         event = Event(
             id=len(self.memory), start=start, end=end,
             surprise_mean=float(surprise.mean()), surprise_max=float(surprise.max()),
         )
         token_ids = self.tail_tokens[start - self.tail_start : end - self.tail_start]  # (n,)
-        self.memory.add(event, keys, values, reps, token_ids)
+        self.memory.add(event, keys, values, reps, summary, token_ids)
         self.tail_tokens = self.tail_tokens[end - self.tail_start :]
         self.tail_start = end
         for st in self.layers:
@@ -292,15 +312,18 @@ class EpisodicState:
         return chosen.mean(dim=1).flatten()
 
     # ------------------------------------------------------------------ queries
-    def probe(self, token_ids: torch.Tensor) -> list[torch.Tensor]:
-        """Run `token_ids` without changing the stream; returns each layer's recall query (Hkv * D,)."""
+    def probe(self, token_ids: torch.Tensor) -> Probe:
+        """Run `token_ids` (T,) without changing the stream; returns each layer's recall query and keys."""
         saved = [(st.recalled_ids, st.recalled_kv) for st in self.layers]
         self.step(token_ids, mode="probe")
-        queries = []
+        queries, keys, recalled = [], [], []
         for st, (ids, kv) in zip(self.layers, saved):
             queries.append(st.probe_query if st.probe_query is not None else self._empty_query())
-            st.probe_query, st.recalled_ids, st.recalled_kv = None, ids, kv
-        return queries
+            assert st.probe_keys is not None
+            keys.append(st.probe_keys.float().cpu())
+            recalled.append(list(st.recalled_ids))
+            st.probe_query, st.probe_keys, st.recalled_ids, st.recalled_kv = None, None, ids, kv
+        return Probe(queries, keys, recalled)
 
     def _empty_query(self) -> torch.Tensor:
         return torch.zeros(self.spec.num_kv_heads * self.spec.head_dim)

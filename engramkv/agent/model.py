@@ -12,6 +12,7 @@ from engramkv.agent.session import Session
 from engramkv.config import EngineConfig
 from engramkv.errors import ConfigError
 from engramkv.memory.events import EventMemory
+from engramkv.retrieval.key_match import summary_layer_ids
 from engramkv.storage.store import DEFAULT_NAME, EventStore
 
 
@@ -61,7 +62,8 @@ class EpisodicLM:
             if memory is not None:
                 raise ConfigError("give a session either memory= or store=, not both")
             memory = self.open_store(store, config, read_only).namespace(
-                user_id, agent_id, session_id, device=self.model.device, dtype=self.model.dtype)
+                user_id, agent_id, session_id, device=self.model.device, dtype=self.model.dtype,
+                summary_layers=summary_layer_ids(self.spec.num_layers, config.recall.summary_layers))
         return Session(self, config, memory)
 
     def open_store(self, path: str | Path, config: EngineConfig | None = None, read_only: bool = False) -> EventStore:

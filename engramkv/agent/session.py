@@ -19,6 +19,7 @@ from engramkv.agent.results import IngestReport, RecalledEvent, SessionStats
 from engramkv.config import EngineConfig
 from engramkv.errors import ConfigError, EmptyInputError, InputError, ReadOnlyError, SessionError
 from engramkv.memory.events import EventMemory, InMemoryEventMemory
+from engramkv.retrieval.key_match import answer_events, match_question
 from engramkv.storage.store import DocumentProgress, NamespaceMemory
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class Session:
         self.state = EpisodicState(lm.model, lm.rope, spec, cfg, self.memory)
         self._pending: list[int] = []  # tokens waiting to fill a chunk
         self._chat_history: list[dict[str, str]] = []
+        # The events the last chat answer attended to, best match first.
+        self.last_recalled: list[RecalledEvent] = []
         self._busy = threading.Lock()
         self._broken: str | None = None  # set when a step failed half-way: the resident state is unusable
         self._uncommitted = 0  # tokens run since the last commit (persistent sessions)
@@ -309,13 +312,19 @@ class Session:
             raise EmptyInputError("empty chat message")
         turn = {"role": "user", "content": message}
         if self.cfg.generation.chat_format == "qa":
-            preamble, question, stop_text = "", f"\n\nQuestion: {message.strip()}\nAnswer:", "\n\n"
+            preamble, before, after, stop_text = "", "\n\nQuestion:", "\nAnswer:", "\n\n"
+            content = " " + message.strip()
         else:
-            preamble, question, stop_text = *self._template_turn(turn), None
+            preamble, question = self._template_turn(turn)
+            split = len(message) if question.startswith(message) else 0  # 0: no known message span to match
+            before, content, after, stop_text = "", question[:split], question[split:], None
+        # Encoded in three parts so that the message's own tokens (what recall matches) are known.
+        before_ids, content_ids = self._encode(before), self._encode(content)
+        span = (len(before_ids), len(before_ids) + len(content_ids))
         reply: list[str] = []
         pieces = self._generate_text(
-            self._encode(question), max_new_tokens, stop_ids=self._stop_ids(), preamble_ids=self._encode(preamble),
-            stop_text=stop_text,
+            before_ids + content_ids + self._encode(after), max_new_tokens, stop_ids=self._stop_ids(),
+            preamble_ids=self._encode(preamble), stop_text=stop_text, question_span=span,
         )
         for piece in pieces:
             reply.append(piece)
@@ -342,14 +351,14 @@ class Session:
 
     def _generate_text(
         self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids: set[int], preamble_ids: Sequence[int] = (),
-        stop_text: str | None = None,
+        stop_text: str | None = None, question_span: tuple[int, int] | None = None,
     ) -> Iterator[str]:
         """Decoded pieces of the continuation; with `stop_text`, it ends where that text first follows
         some non-blank output (the stop text itself is not yielded)."""
         tokenizer = self.lm.tokenizer
         generated: list[int] = []
         emitted = ""
-        tokens = self._generate(prompt_ids, max_new_tokens, stop_ids, preamble_ids)
+        tokens = self._generate(prompt_ids, max_new_tokens, stop_ids, preamble_ids, question_span)
         try:
             for token in tokens:
                 generated.append(token)
@@ -372,8 +381,11 @@ class Session:
             tokens.close()  # releases the session even when the caller stops early
 
     def _generate(
-        self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids: set[int], preamble_ids: Sequence[int] = ()
+        self, prompt_ids: list[int], max_new_tokens: int | None, stop_ids: set[int], preamble_ids: Sequence[int] = (),
+        question_span: tuple[int, int] | None = None,
     ) -> Generator[int, None, None]:
+        """With `question_span` (the question's tokens within `prompt_ids`) and question_match = "keys",
+        every layer attends to the events that match the question while the answer is read and written."""
         if not prompt_ids and self.state.n_tokens == 0 and not self._pending:
             raise EmptyInputError("nothing to continue: empty prompt and empty session")
         limit = max_new_tokens if max_new_tokens is not None else self.cfg.generation.max_new_tokens
@@ -381,17 +393,47 @@ class Session:
             if preamble_ids:
                 self._pending.extend(preamble_ids)
                 self._flush(mode="prompt")
-            self._pending.extend(prompt_ids)
-            self._flush(mode="prompt")
-            generator = torch.Generator().manual_seed(self.cfg.generation.seed)
-            logits = self.state.last_logits
-            for _ in range(limit):
-                assert logits is not None
-                token = self._pick(logits, generator)
-                logits = self._step(torch.tensor([token]), "decode")[-1]
-                if token in stop_ids:
-                    return
-                yield token
+            self.last_recalled = []
+            if question_span is not None and self.cfg.recall.question_match == "keys" and len(self.memory) > 0:
+                self._pin_answer_events(prompt_ids, question_span)
+            try:
+                self._pending.extend(prompt_ids)
+                self._flush(mode="prompt")
+                if question_span is not None and self.state.pinned_events is None:
+                    self.last_recalled = self._attended_events()
+                generator = torch.Generator().manual_seed(self.cfg.generation.seed)
+                logits = self.state.last_logits
+                for _ in range(limit):
+                    assert logits is not None
+                    token = self._pick(logits, generator)
+                    logits = self._step(torch.tensor([token]), "decode")[-1]
+                    if token in stop_ids:
+                        return
+                    yield token
+            finally:
+                self.state.pinned_events = None
+
+    def _attended_events(self) -> list[RecalledEvent]:
+        """The events the layers recalled for the prompt, most layers first; score = share of layers."""
+        counts: dict[int, int] = {}
+        for layer in self.state.layers:
+            for event_id in layer.recalled_ids:
+                counts[event_id] = counts.get(event_id, 0) + 1
+        ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+        n_layers = len(self.state.layers)
+        return self._recalled_events([(event_id, count / n_layers) for event_id, count in ranked])
+
+    def _pin_answer_events(self, prompt_ids: list[int], span: tuple[int, int]) -> None:
+        recall = self.cfg.recall
+        self._flush()  # the probe reads the prompt after everything queued
+        matches = self._match(prompt_ids, span, recall.answer_hits)
+        if not matches:
+            return  # nothing to match on: the per-layer recall stays in charge
+        budget = recall.budget_tokens
+        if recall.answer_budget_tokens is not None:
+            budget = min(budget, recall.answer_budget_tokens)
+        self.state.pinned_events = answer_events(self.memory, [event_id for event_id, _ in matches], budget)
+        self.last_recalled = self._recalled_events(matches)
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> int:
         temperature = self.cfg.generation.temperature
@@ -411,16 +453,23 @@ class Session:
 
     # ------------------------------------------------------------------ recall
     def recall(self, query: str, k: int = 5) -> list[RecalledEvent]:
-        """The `k` events that best match `query`: scores are z-scored per layer, averaged over layers."""
+        """The `k` events that best match `query`, best first.
+
+        With question_match = "keys" (default) the score is the re-ranking's mean best key cosine
+        (`retrieval.key_match`); with "attention", per-layer z-scored inner products of the query's
+        mean recall query with the representatives, averaged over layers.
+        """
         ids = self._encode(query)
         if not ids:
             raise EmptyInputError("empty recall query")
-        n_events = len(self.memory)
-        if n_events == 0:
+        if len(self.memory) == 0:
             return []
         with self._exclusive("recall"):
             self._flush()
-            queries = self.state.probe(torch.tensor(ids, dtype=torch.long))
+            if self.cfg.recall.question_match == "keys":
+                return self._recalled_events(self._match(ids, (0, len(ids)), k))
+            queries = self.state.probe(torch.tensor(ids, dtype=torch.long)).queries
+        n_events = len(self.memory)
         total = torch.zeros(n_events)
         for layer, layer_query in enumerate(queries):
             event_ids, scores = self.memory.search(layer, layer_query, k=n_events)
@@ -429,10 +478,26 @@ class Session:
             total[torch.tensor(event_ids)] += z
         total /= len(queries)
         best = torch.topk(total, min(k, n_events))
-        event_ids = best.indices.tolist()
+        return self._recalled_events(list(zip(best.indices.tolist(), best.values.tolist())))
+
+    def _match(self, ids: list[int], span: tuple[int, int], k: int) -> list[tuple[int, float]]:
+        """Probe `ids` after the stream and match the keys of ids[span[0]:span[1]] against the events."""
+        probe = self.state.probe(torch.tensor(ids, dtype=torch.long))
+        layers = self.state.summary_layers
+        question_keys = torch.stack([probe.keys[layer][:, span[0] : span[1]] for layer in layers])  # (S, Hkv, C, D)
+        candidates = self.cfg.recall.rerank_candidates
+        votes: dict[int, int] = {}  # how many layers' query recall chose each event
+        for chosen in probe.recalled:
+            for event_id in chosen:
+                votes[event_id] = votes.get(event_id, 0) + 1
+        voted = sorted(votes, key=lambda event_id: (-votes[event_id], event_id))[:candidates]
+        return match_question(self.memory, question_keys, layers, k, candidates, also=voted)
+
+    def _recalled_events(self, scored: list[tuple[int, float]]) -> list[RecalledEvent]:
+        event_ids = [event_id for event_id, _ in scored]
         details = self.store_memory.event_details(event_ids) if self.store_memory is not None else {}
         results = []
-        for event_id, score in zip(event_ids, best.values.tolist()):
+        for event_id, score in scored:
             event = self.memory.event(event_id)
             text = self.lm.tokenizer.decode(self.memory.tokens(event_id))
             document, created = details.get(event_id, (None, None))

@@ -1,8 +1,9 @@
 """The Event record and the event memory interface, with its in-process implementation.
 
 An event is a contiguous span of the token stream, sealed when it leaves the local
-window. Its KV (pre-RoPE keys, values) for every layer and one representative vector
-per layer go into an `EventMemory`. The tiered persistent store implements the same
+window. Its KV (pre-RoPE keys, values) for every layer, one representative vector per
+layer (for recall while reading) and one key summary (for matching questions, see
+`retrieval.key_match`) go into an `EventMemory`. The tiered persistent store implements the same
 protocol; the engine only talks to this interface.
 
 Event ids are consecutive integers in stream order, so id ± d are temporal neighbours.
@@ -38,6 +39,7 @@ class EventMemory(Protocol):
         keys: torch.Tensor,  # (layers, Hkv, L, D)
         values: torch.Tensor,  # (layers, Hkv, L, D)
         representatives: torch.Tensor,  # (layers, Hkv * D)
+        key_summary: torch.Tensor,  # (S,)
         token_ids: torch.Tensor,  # (L,) int
     ) -> None: ...
 
@@ -51,6 +53,10 @@ class EventMemory(Protocol):
 
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         """Top-k event ids by inner product of `query` (Hkv * D,) with the layer's representatives."""
+        ...
+
+    def search_keys(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        """Top-k event ids by inner product of a question's key summary (S,) with the events' summaries."""
         ...
 
     def gather(self, layer: int, event_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,10 +106,11 @@ class InMemoryEventMemory:
         self._values = [_GrowingBuffer((num_kv_heads,), (head_dim,), dtype) for _ in range(num_layers)]
         self._reps = [_GrowingBuffer((), (num_kv_heads * head_dim,), torch.float32) for _ in range(num_layers)]
         self._tokens = _GrowingBuffer((), (), torch.int32)
+        self._summaries: _GrowingBuffer | None = None  # (N, S) once the first event sets S
 
     def add(
         self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
-        token_ids: torch.Tensor,
+        key_summary: torch.Tensor, token_ids: torch.Tensor,
     ) -> None:
         if event.id != len(self.events):
             raise ValueError(f"event ids must be consecutive: expected {len(self.events)}, got {event.id}")
@@ -112,6 +119,9 @@ class InMemoryEventMemory:
             self._keys[layer].append(keys[layer].to(self.dtype))
             self._values[layer].append(values[layer].to(self.dtype))
             self._reps[layer].append(representatives[layer : layer + 1].float())
+        if self._summaries is None:
+            self._summaries = _GrowingBuffer((), (key_summary.numel(),), torch.float32)
+        self._summaries.append(key_summary.float().reshape(1, -1))
         self._tokens.append(token_ids.to(torch.int32))
         self.events.append(event)
 
@@ -129,6 +139,13 @@ class InMemoryEventMemory:
         if not self.events or k <= 0:
             return [], []
         scores = self._reps[layer].view() @ query.float()  # (N,)
+        top = torch.topk(scores, min(k, scores.shape[0]))
+        return top.indices.tolist(), top.values.tolist()
+
+    def search_keys(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        if self._summaries is None or k <= 0:
+            return [], []
+        scores = self._summaries.view() @ summary.float()  # (N,)
         top = torch.topk(scores, min(k, scores.shape[0]))
         return top.indices.tolist(), top.values.tolist()
 

@@ -49,20 +49,30 @@ def select_events(
             hits.append(first)
             used += memory.event(first).length
 
-    def take(event_id: int) -> None:
-        nonlocal used
-        if 0 <= event_id < len(memory) and event_id not in chosen:
-            length = memory.event(event_id).length
-            if used + length <= budget:
-                chosen.add(event_id)
-                used += length
-
-    for distance in range(1, MAX_NEIGHBOUR_DISTANCE + 1):
-        for hit in hits:
-            take(hit + distance)
-            take(hit - distance)
+    used = add_neighbours(memory, chosen, hits, used, budget)
     if buffer is not None:
         for event_id in reversed(buffer):
-            take(event_id)
+            used = _take(memory, chosen, event_id, used, budget)
         buffer.extend(hits)
     return sorted(chosen)
+
+
+def add_neighbours(memory: EventMemory, chosen: set[int], hits: list[int], used: int, budget: int) -> int:
+    """Add temporal neighbours of `hits` to `chosen`, nearest first, while `used` stays within `budget`.
+
+    Returns the tokens used after. id+1 comes before id-1: what follows a match usually completes it.
+    """
+    for distance in range(1, MAX_NEIGHBOUR_DISTANCE + 1):
+        for hit in hits:
+            used = _take(memory, chosen, hit + distance, used, budget)
+            used = _take(memory, chosen, hit - distance, used, budget)
+    return used
+
+
+def _take(memory: EventMemory, chosen: set[int], event_id: int, used: int, budget: int) -> int:
+    if 0 <= event_id < len(memory) and event_id not in chosen:
+        length = memory.event(event_id).length
+        if used + length <= budget:
+            chosen.add(event_id)
+            used += length
+    return used

@@ -6,6 +6,9 @@ search time and RAM from growing linearly with the document. Indexes are saved b
 with the number of events they hold; on open, an index that lags the catalog is caught up from the
 representatives stored in the event blobs, and one that is ahead (saved, then the catalog commit was
 lost) is rebuilt.
+
+Beside them, one index over the events' key summaries (`retrieval.key_match`): what questions are
+matched against. It is derived from the stored keys, so a store without it gets it rebuilt on open.
 """
 
 from __future__ import annotations
@@ -28,66 +31,68 @@ def _gpu_available() -> bool:
 
 
 class LayerIndexes:
-    """The per-layer indexes of one namespace."""
+    """The per-layer indexes of one namespace, and the index of the events' key summaries."""
 
-    def __init__(self, num_layers: int, dim: int, cfg: IndexConfig):
+    def __init__(self, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int]):
         self.num_layers, self.dim, self.cfg = num_layers, dim, cfg
-        self.indexes: list[faiss.Index] = [self._flat() for _ in range(num_layers)]
+        self.summary_layers = summary_layers
+        self.summary_dim = len(summary_layers) * dim
+        self.indexes: list[faiss.Index] = [_flat(dim) for _ in range(num_layers)]
+        self.summary: faiss.Index = _flat(self.summary_dim)
         self.kind: str = "flat"
-
-    def _flat(self) -> faiss.Index:
-        return faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
+        self.saved_events = 0  # events whose every index entry was read from disk by `load`
 
     def __len__(self) -> int:
         return int(self.indexes[0].ntotal)
 
-    def add(self, event_id: int, representatives: np.ndarray) -> None:
-        """representatives: (layers, dim) float32."""
+    def add(self, event_id: int, representatives: np.ndarray, summary: np.ndarray) -> None:
+        """representatives: (layers, dim) float32; summary: (summary_dim,) float32."""
         ids = np.array([event_id], dtype=np.int64)
         for layer, index in enumerate(self.indexes):
             index.add_with_ids(representatives[layer : layer + 1], ids)
+        self.summary.add_with_ids(summary.reshape(1, -1), ids)
         if self.kind == "flat" and len(self) >= self.cfg.ivf_min_events:
             self._to_ivf()
 
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
-        if len(self) == 0 or k <= 0:
-            return [], []
-        q = query.detach().float().cpu().numpy().reshape(1, self.dim)  # (1, F)
-        scores, ids = self.indexes[layer].search(q, min(k, len(self)))
-        keep = ids[0] >= 0  # IVF can return fewer than k hits (-1 padding)
-        return ids[0][keep].tolist(), scores[0][keep].tolist()
+        return _search(self.indexes[layer], query, k)
+
+    def search_summary(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        return _search(self.summary, summary, k)
 
     def _to_ivf(self) -> None:
-        n = len(self)
-        nlist = max(16, int(self.cfg.ivf_lists_per_sqrt * math.sqrt(n)))
-        for layer in range(self.num_layers):
-            flat = self.indexes[layer]
-            ids = faiss.vector_to_array(flat.id_map).astype(np.int64)  # type: ignore[attr-defined]  # (n,)
-            vectors = flat.reconstruct_n(0, n)  # (n, F): IndexIDMap2 stores them in add order
-            quantizer = faiss.IndexFlatIP(self.dim)
-            ivf = faiss.IndexIVFScalarQuantizer(
-                quantizer, self.dim, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT
-            )
-            ivf.cp.seed = 1234  # a resumed ingest must rebuild the same index
-            ivf.train(vectors)
-            ivf.nprobe = self.cfg.ivf_nprobe
-            wrapped = faiss.IndexIDMap2(ivf)
-            wrapped.add_with_ids(vectors, ids)
-            self.indexes[layer] = wrapped
+        self.indexes = [self._ivf(index) for index in self.indexes]
+        self.summary = self._ivf(self.summary)
         self.kind = "ivf"
+
+    def _ivf(self, flat: faiss.Index) -> faiss.Index:
+        n, dim = int(flat.ntotal), int(flat.d)
+        nlist = max(16, int(self.cfg.ivf_lists_per_sqrt * math.sqrt(n)))
+        ids = faiss.vector_to_array(flat.id_map).astype(np.int64)  # type: ignore[attr-defined]  # (n,)
+        vectors = flat.reconstruct_n(0, n)  # (n, F): IndexIDMap2 stores them in add order
+        quantizer = faiss.IndexFlatIP(dim)
+        ivf = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
+        ivf.cp.seed = 1234  # a resumed ingest must rebuild the same index
+        ivf.train(vectors)
+        ivf.nprobe = self.cfg.ivf_nprobe
+        wrapped = faiss.IndexIDMap2(ivf)
+        wrapped.add_with_ids(vectors, ids)
+        return wrapped
 
     # ------------------------------------------------------------------ persistence
     def save(self, directory: Path) -> None:
-        """Write every layer, then the manifest that names their size (a torn save is detected on load)."""
+        """Write every index, then the manifest that names their size (a torn save is detected on load)."""
         directory.mkdir(parents=True, exist_ok=True)
-        for layer, index in enumerate(self.indexes):
-            tmp = directory / f"layer-{layer:03d}.faiss.tmp"
+        named = [(f"layer-{layer:03d}.faiss", index) for layer, index in enumerate(self.indexes)]
+        for name, index in [*named, ("summary.faiss", self.summary)]:
+            tmp = directory / f"{name}.tmp"
             faiss.write_index(index, str(tmp))
             _fsync_file(tmp)
-            os.replace(tmp, directory / f"layer-{layer:03d}.faiss")
+            os.replace(tmp, directory / name)
         manifest = directory / "manifest.json"
         tmp = manifest.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"events": len(self), "kind": self.kind, "layers": self.num_layers}))
+        tmp.write_text(json.dumps({"events": len(self), "kind": self.kind, "layers": self.num_layers,
+                                   "summary_layers": self.summary_layers}))
         _fsync_file(tmp)
         os.replace(tmp, manifest)
 
@@ -98,16 +103,20 @@ class LayerIndexes:
         num_layers: int,
         dim: int,
         cfg: IndexConfig,
+        summary_layers: list[int],
         committed_events: int,
         representatives_of: Callable[[int], np.ndarray],
+        summary_of: Callable[[int], np.ndarray],
     ) -> LayerIndexes:
         """Open the saved indexes and bring them to exactly `committed_events` events.
 
-        representatives_of(event_id) -> (layers, dim) float32, read from the event's blob.
+        representatives_of(event_id) -> (layers, dim) float32, read from the event's blob;
+        summary_of(event_id) -> (summary_dim,) float32, computed from the blob's keys. A store saved
+        with other summary layers (or before summaries existed) gets its summary index rebuilt.
         """
-        loaded = cls(num_layers, dim, cfg)
+        loaded = cls(num_layers, dim, cfg, summary_layers)
         manifest = directory / "manifest.json"
-        usable = False
+        start = 0
         if manifest.exists():
             info = json.loads(manifest.read_text())
             files = [directory / f"layer-{layer:03d}.faiss" for layer in range(num_layers)]
@@ -115,14 +124,38 @@ class LayerIndexes:
                 indexes = [faiss.read_index(str(f)) for f in files]
                 sizes = {int(index.ntotal) for index in indexes}
                 if sizes == {info["events"]} and info["events"] <= committed_events:
-                    loaded.indexes, loaded.kind, usable = indexes, str(info["kind"]), True
+                    loaded.indexes, loaded.kind, start = indexes, str(info["kind"]), int(info["events"])
+                    summary_file = directory / "summary.faiss"
+                    if info.get("summary_layers") == summary_layers and summary_file.exists():
+                        loaded.summary = faiss.read_index(str(summary_file))
+                    if int(loaded.summary.ntotal) == start:
+                        loaded.saved_events = start
+                    else:  # missing, stale or torn: rebuild from the blobs
+                        loaded.summary = _flat(loaded.summary_dim)
+                        for event_id in range(start):
+                            loaded.summary.add_with_ids(summary_of(event_id).reshape(1, -1), np.array([event_id]))
+                        if loaded.kind == "ivf":
+                            loaded.summary = loaded._ivf(loaded.summary)
                     if loaded.kind == "ivf":
-                        for index in indexes:
+                        for index in [*loaded.indexes, loaded.summary]:
                             faiss.extract_index_ivf(index).nprobe = cfg.ivf_nprobe
-        start = len(loaded) if usable else 0
         for event_id in range(start, committed_events):  # catch up from the blobs
-            loaded.add(event_id, representatives_of(event_id))
+            loaded.add(event_id, representatives_of(event_id), summary_of(event_id))
         return loaded
+
+
+def _flat(dim: int) -> faiss.Index:
+    return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+
+
+def _search(index: faiss.Index, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+    n = int(index.ntotal)
+    if n == 0 or k <= 0:
+        return [], []
+    q = query.detach().float().cpu().numpy().reshape(1, int(index.d))  # (1, F)
+    scores, ids = index.search(q, min(k, n))
+    keep = ids[0] >= 0  # IVF can return fewer than k hits (-1 padding)
+    return ids[0][keep].tolist(), scores[0][keep].tolist()
 
 
 def _fsync_file(path: Path) -> None:

@@ -29,6 +29,7 @@ import threading
 import uuid
 import zlib
 from array import array
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ import torch
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session as DbSession
 
-from engramkv.config import StoreConfig
+from engramkv.config import RecallConfig, StoreConfig
 from engramkv.errors import (
     NamespaceError,
     ReadOnlyError,
@@ -51,6 +52,7 @@ from engramkv.errors import (
 )
 from engramkv.hf import ModelSpec
 from engramkv.memory.events import Event
+from engramkv.retrieval import key_match
 from engramkv.storage import catalog as cat
 from engramkv.storage.codec import Codec, decode_layer, encode_layers, layer_nbytes
 from engramkv.storage.index import LayerIndexes
@@ -174,8 +176,12 @@ class EventStore:
     def namespace(
         self, user_id: str = DEFAULT_NAME, agent_id: str = DEFAULT_NAME, session_id: str = DEFAULT_NAME,
         device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+        summary_layers: Sequence[int] | None = None,
     ) -> NamespaceMemory:
-        """The event memory of one stream; created on first use (read-only stores only open existing ones)."""
+        """The event memory of one stream; created on first use (read-only stores only open existing ones).
+
+        summary_layers: the layers of the events' key summaries (default: as `RecallConfig` says).
+        """
         names = (check_name("user_id", user_id), check_name("agent_id", agent_id),
                  check_name("session_id", session_id))
         with DbSession(self.db) as db:
@@ -191,7 +197,9 @@ class EventStore:
             ns_id = row.id
         if ns_id in self._open:
             raise StoreError(f"namespace {'/'.join(names)} is already open in this process (one stream, one session)")
-        memory = NamespaceMemory(self, ns_id, torch.device(device), dtype)
+        if summary_layers is None:
+            summary_layers = key_match.summary_layer_ids(self.spec.num_layers, RecallConfig().summary_layers)
+        memory = NamespaceMemory(self, ns_id, torch.device(device), dtype, list(summary_layers))
         self._open[ns_id] = memory
         return memory
 
@@ -249,7 +257,9 @@ class EventStore:
 class NamespaceMemory:
     """One namespace's events: an `EventMemory` whose events live on disk, with hot and warm tiers."""
 
-    def __init__(self, store: EventStore, ns_id: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, store: EventStore, ns_id: int, device: torch.device, dtype: torch.dtype, summary_layers: list[int]
+    ):
         spec, cfg = store.spec, store.cfg
         self.store, self.ns_id, self.cfg = store, ns_id, cfg
         self.codec: Codec = store.codec  # type: ignore[assignment]  # validated when the store was created
@@ -294,9 +304,10 @@ class NamespaceMemory:
         self.hot: LRUBytes[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = LRUBytes(
             cfg.hot_bytes, lambda kv: kv[0].nbytes + kv[1].nbytes)
         self.warm: LRUBytes[int, bytes] = LRUBytes(cfg.warm_bytes, len)
-        self.indexes = LayerIndexes.load(self.dir / "index", self.num_layers, self.dim, cfg.index,
-                                         self.committed_events, self._representatives)
-        self._index_saved_at = len(self.indexes) if (self.dir / "index" / "manifest.json").exists() else 0
+        self.summary_layers = summary_layers
+        self.indexes = LayerIndexes.load(self.dir / "index", self.num_layers, self.dim, cfg.index, summary_layers,
+                                         self.committed_events, self._representatives, self._key_summary)
+        self._index_saved_at = self.indexes.saved_events  # what was caught up or rebuilt gets saved at a commit
         prefetch = cfg.prefetch == "on" or (cfg.prefetch == "auto" and device.type == "cuda")
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="engramkv-prefetch") if prefetch else None
         self._prefetching: Future[None] | None = None
@@ -331,11 +342,12 @@ class NamespaceMemory:
                      surprise_mean=self._surprise[2 * event_id], surprise_max=self._surprise[2 * event_id + 1])
 
     def add(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
-            token_ids: torch.Tensor) -> None:
+            key_summary: torch.Tensor, token_ids: torch.Tensor) -> None:
         self._check_usable()
         if event.id != len(self):
             raise ValueError(f"event ids must be consecutive: expected {len(self)}, got {event.id}")
         reps = representatives.detach().float().cpu().numpy()  # (layers, F)
+        summary = key_summary.detach().float().cpu().numpy()  # (S,)
         parts = [token_ids.to(torch.int32).cpu().numpy().astype("<i4").tobytes(), reps.astype("<f4").tobytes()]
         parts += encode_layers(self.codec, keys, values)  # one per layer
         blob = b"".join(parts)
@@ -357,7 +369,7 @@ class NamespaceMemory:
             self._overlay[event.id] = blob
         self._append_columns(event.start, event.end, segment, offset, len(blob), crc,
                              event.surprise_mean, event.surprise_max)
-        self.indexes.add(event.id, reps)
+        self.indexes.add(event.id, reps, summary)
         self.warm.put(event.id, blob)  # what was just sealed is what recall is likeliest to want next
 
     def tokens(self, event_id: int) -> list[int]:
@@ -366,6 +378,9 @@ class NamespaceMemory:
 
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         return self.indexes.search(layer, query, k)
+
+    def search_keys(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        return self.indexes.search_summary(summary, k)
 
     def gather(self, layer: int, event_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(Hkv, M, D) keys and values of `event_ids`, on the compute device in the model's dtype."""
@@ -389,15 +404,17 @@ class NamespaceMemory:
         cached = self.hot.get((event_id, layer))
         if cached is not None:
             return cached
-        n = self._end[event_id] - self._start[event_id]
-        layer_bytes = layer_nbytes(self.codec, self.kv_heads, n, self.head_dim)
-        at = 4 * n + 4 * self.num_layers * self.dim + layer * layer_bytes
-        blob = self._blob(event_id)
-        layer_blob = memoryview(blob)[at : at + layer_bytes]
-        k, v = decode_layer(self.codec, layer_blob, self.kv_heads, n, self.head_dim)  # (Hkv, n, D) float16
+        k, v = self._decode(event_id, layer)
         kv = (k.to(self.device, self.dtype, non_blocking=True), v.to(self.device, self.dtype, non_blocking=True))
         self.hot.put((event_id, layer), kv)
         return kv
+
+    def _decode(self, event_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # (Hkv, n, D) float16 each
+        n = self._end[event_id] - self._start[event_id]
+        layer_bytes = layer_nbytes(self.codec, self.kv_heads, n, self.head_dim)
+        at = 4 * n + 4 * self.num_layers * self.dim + layer * layer_bytes
+        layer_blob = memoryview(self._blob(event_id))[at : at + layer_bytes]
+        return decode_layer(self.codec, layer_blob, self.kv_heads, n, self.head_dim)
 
     def _blob(self, event_id: int) -> bytes:
         """The event's whole blob: warm tier, else read (and checksum) from the cold tier."""
@@ -422,6 +439,10 @@ class NamespaceMemory:
         n = self._end[event_id] - self._start[event_id]
         return np.frombuffer(self._blob(event_id), dtype="<f4", count=self.num_layers * self.dim,
                              offset=4 * n).reshape(self.num_layers, self.dim).copy()
+
+    def _key_summary(self, event_id: int) -> np.ndarray:  # (S,) from the stored keys
+        keys = torch.stack([self._decode(event_id, layer)[0] for layer in self.summary_layers])  # (S, Hkv, n, D)
+        return key_match.key_summary(keys).numpy()
 
     @property
     def kv_bytes(self) -> int:

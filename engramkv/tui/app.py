@@ -125,12 +125,14 @@ class ChatApp(App[int]):
     @work(thread=True, exclusive=True, group="session")
     def answer(self, message: str, widget: Static) -> None:
         try:
-            recalled = self.session.recall(message, k=5) if self.session.events else []
-            self.call_from_thread(self._show_recalled, recalled)
             text = ""
             for piece in self.session.chat(message, stream=True):
+                if not text:  # the prompt has been read: its recall is known
+                    self.call_from_thread(self._show_recalled, self.session.last_recalled[:5])
                 text += piece
                 self.call_from_thread(widget.update, text)
+            if not text:
+                self.call_from_thread(self._show_recalled, self.session.last_recalled[:5])
             if not text.strip():
                 self.call_from_thread(widget.update, "(no answer)")
         except EngramError as err:

@@ -1,0 +1,165 @@
+"""Question recall by key matching: summaries, re-ranking, and the events a chat answer attends to."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engramkv import EngineConfig
+from engramkv.config import RecallConfig, SegmentationConfig, WindowConfig
+from engramkv.memory.events import Event, InMemoryEventMemory
+from engramkv.retrieval.key_match import answer_events, key_summary, match_question, rerank, summary_layer_ids
+
+from conftest import VOCAB, tiny_pair
+
+CFG = EngineConfig(
+    window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
+    recall=RecallConfig(budget_tokens=64, answer_budget_tokens=48, answer_hits=2),
+    segmentation=SegmentationConfig(min_event=4, max_event=24),
+)
+LAYERS, HEADS, DIM = 2, 2, 8
+
+
+def test_summary_layers_are_evenly_spread():
+    assert summary_layer_ids(30, 10) == [1, 4, 7, 10, 13, 16, 19, 22, 25, 28]
+    assert summary_layer_ids(4, 0) == [0, 1, 2, 3]
+    assert summary_layer_ids(4, 9) == [0, 1, 2, 3]
+    assert summary_layer_ids(12, 3) == [2, 6, 10]
+
+
+def test_key_summary_ignores_key_norms():
+    keys = torch.randn(2, HEADS, 5, DIM)
+    scaled = keys * torch.rand(2, HEADS, 5, 1) * 100
+    assert torch.allclose(key_summary(keys), key_summary(scaled), atol=1e-5)
+    assert key_summary(keys).shape == (2 * HEADS * DIM,)
+
+
+def _memory(event_keys: list[torch.Tensor]) -> InMemoryEventMemory:
+    """Events whose keys (HEADS, n, DIM) are given for every layer."""
+    memory = InMemoryEventMemory(LAYERS, HEADS, DIM, torch.float32)
+    start = 0
+    for i, keys in enumerate(event_keys):
+        n = keys.shape[1]
+        per_layer = keys[None].expand(LAYERS, -1, -1, -1)  # (layers, Hkv, n, D)
+        reps = torch.zeros(LAYERS, HEADS * DIM)
+        memory.add(Event(i, start, start + n, 1.0, 1.0), per_layer, per_layer, reps, key_summary(per_layer),
+                   torch.zeros(n, dtype=torch.int32))
+        start += n
+    return memory
+
+
+def test_the_event_holding_the_question_words_wins_over_a_long_near_miss():
+    g = torch.Generator().manual_seed(0)
+    noise = [torch.randn(HEADS, 10, DIM, generator=g) for _ in range(30)]
+    question = torch.randn(HEADS, 3, DIM, generator=g)  # three question tokens
+    # Event 7 holds the three question tokens among filler; event 12 holds a blur of all three in every token.
+    noise[7] = torch.cat([noise[7][:, :7], question], dim=1)
+    noise[12] = question.mean(dim=1, keepdim=True).expand(-1, 10, -1) + 0.05 * noise[12]
+    memory = _memory(noise)
+    question_keys = question[None].expand(LAYERS, -1, -1, -1)  # (S, Hkv, C, D)
+    ranked = match_question(memory, question_keys, list(range(LAYERS)), k=3, candidates=10)
+    assert ranked[0][0] == 7  # exact token matches beat the blur after re-ranking
+    assert ranked[0][1] == pytest.approx(1.0, abs=1e-4)  # every question token has a cosine-1 match
+    assert [s for _, s in ranked] == sorted((s for _, s in ranked), reverse=True)
+    scores = rerank(memory, [7, 12], question_keys, list(range(LAYERS)))
+    assert scores[0] > scores[1]
+
+
+def test_answer_events_take_hits_then_neighbours_in_time_order():
+    memory = _memory([torch.randn(HEADS, 10, DIM) for _ in range(20)])
+    assert answer_events(memory, [9, 3], budget=50) == [3, 4, 8, 9, 10]  # 9, 3, then 10, 8, 4 by distance
+    assert answer_events(memory, [9, 3], budget=5) == []  # nothing fits
+    assert answer_events(memory, [19], budget=30) == [17, 18, 19]  # no event past the end
+
+
+def _stream(n, seed=0):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _planted_session():
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    planted = [7, 77, 177, 17, 71, 170, 107, 7]
+    tokens = _stream(300) + planted + _stream(400, seed=1)
+    session.ingest(" ".join(map(str, tokens)))
+    return session, planted, 300
+
+
+def test_recall_finds_the_event_that_holds_the_query():
+    session, planted, at = _planted_session()
+    results = session.recall(" ".join(map(str, planted)), k=3)
+    top = session.memory.event(results[0].event_id)
+    assert top.start < at + len(planted) and top.end > at  # the best match overlaps the planted span
+    assert results[0].score >= results[1].score >= results[2].score
+    assert session.recall(" ".join(map(str, planted)), k=3) == results  # recall does not move the stream
+
+
+def test_a_chat_answer_attends_to_the_matched_events_in_every_layer(monkeypatch):
+    session, planted, at = _planted_session()
+    seen: list[list[list[int]]] = []
+    original = session.state.step
+
+    def step(token_ids, mode="ingest"):
+        logits = original(token_ids, mode)
+        if mode in ("prompt", "decode"):
+            seen.append([list(layer.recalled_ids) for layer in session.state.layers])
+        return logits
+
+    monkeypatch.setattr(session.state, "step", step)
+    session.chat(" ".join(map(str, planted)), max_new_tokens=4)
+    hits = [r.event_id for r in session.last_recalled]
+    assert len(hits) == 2
+    top = session.memory.event(hits[0])
+    assert top.start < at + len(planted) and top.end > at
+    pinned = answer_events(session.memory, hits, budget=48)
+    assert seen and all(layers == [pinned] * len(layers) for layers in seen)  # every layer, every step
+    assert session.state.pinned_events is None  # only for the turn
+
+
+def test_attention_mode_reports_what_the_layers_recalled():
+    cfg = CFG.model_copy(update={"recall": CFG.recall.model_copy(update={"question_match": "attention"})})
+    _, lm = tiny_pair("llama", cfg)
+    session = lm.session()
+    session.ingest(" ".join(map(str, _stream(600))))
+    session.chat("1 2 3", max_new_tokens=2)
+    assert session.last_recalled
+    scores = [r.score for r in session.last_recalled]
+    assert scores == sorted(scores, reverse=True) and 0 < scores[0] <= 1  # share of layers
+    results = session.recall("1 2 3", k=3)
+    assert len(results) == 3
+
+
+def test_a_store_reopened_matches_questions_like_the_live_session(tmp_path):
+    _, lm = tiny_pair("llama", CFG)
+    planted = [7, 77, 177, 17, 71, 170, 107, 7]
+    with lm.session(store=tmp_path / "store") as session:
+        session.ingest(" ".join(map(str, _stream(300) + planted + _stream(400, seed=1))))
+        live = [r.event_id for r in session.recall(" ".join(map(str, planted)), k=3)]
+    # The summary index is derived data: delete it and it is rebuilt from the stored keys.
+    for path in (tmp_path / "store").rglob("summary.faiss"):
+        path.unlink()
+    with lm.session(store=tmp_path / "store", read_only=True) as session:
+        reopened = [r.event_id for r in session.recall(" ".join(map(str, planted)), k=3)]
+    assert reopened[0] == live[0]
+
+
+def test_cosine_helper_matches_torch():  # guards the einsum in rerank against a transposed head axis
+    keys = torch.randn(HEADS, 4, DIM)
+    question = torch.randn(HEADS, 2, DIM)
+    memory = _memory([keys])
+    got = rerank(memory, [0], question[None].expand(LAYERS, -1, -1, -1), list(range(LAYERS)))[0]
+    cos = torch.stack([F.cosine_similarity(keys[h][:, None], question[h][None], dim=-1) for h in range(HEADS)])
+    assert got == pytest.approx(cos.mean(0).max(0).values.mean().item(), abs=1e-5)
+
+
+def test_candidates_from_the_reading_recall_are_re_ranked_too():
+    g = torch.Generator().manual_seed(1)
+    question = torch.randn(HEADS, 2, DIM, generator=g)
+    filler = question.mean(dim=1, keepdim=True).expand(-1, 6, -1).clone()  # a blur: high summary score
+    needle = torch.cat([question, torch.randn(HEADS, 8, DIM, generator=g) * 3], dim=1)  # exact words, diluted
+    memory = _memory([filler] * 20 + [needle] + [filler] * 20)
+    question_keys = question[None].expand(LAYERS, -1, -1, -1)
+    layers = list(range(LAYERS))
+    crowded = match_question(memory, question_keys, layers, k=3, candidates=5)
+    assert 20 not in [event_id for event_id, _ in crowded]  # 40 identical blurs fill the candidates
+    rescued = match_question(memory, question_keys, layers, k=3, candidates=5, also=[20, 3])
+    assert rescued[0][0] == 20
