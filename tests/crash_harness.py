@@ -4,8 +4,9 @@
     python tests/crash_harness.py --worker STORE TEXT  # one ingest (what the harness starts and kills)
 
 The worker ingests a text file into a store with a tiny random Llama (same seed, so every process
-computes the same thing) and commits every few chunks. The harness starts it, waits until it is
-ingesting, sends SIGKILL after a random delay, then opens the store itself: it must open, every
+computes the same thing) and commits every few chunks. The harness starts it, picks a random
+point of what is left of the ingest, waits until the worker reports reaching it and sends SIGKILL
+0-0.5 s later (anywhere in the next chunks, commits included), then opens the store itself: it must open, every
 committed blob must verify, the segment files must hold exactly the committed blobs (after the
 recovery that opening does), and the checkpoint must load. Then the next worker resumes. When a
 worker finishes, the events (spans and blob checksums) must equal those of an uninterrupted run.
@@ -43,7 +44,7 @@ def worker(store: str, text_path: str) -> None:
     _, lm = tiny_pair("llama", EngineConfig.model_validate(WORKER_CONFIG))
     session = lm.session(store=store)
     print("ingesting", flush=True)
-    report = session.ingest_file(text_path)
+    report = session.ingest_file(text_path, progress=lambda tokens, events: print("tokens", tokens, flush=True))
     session.close()
     print("done", report.model_dump_json(), flush=True)
 
@@ -53,10 +54,10 @@ def make_text(path: Path, n_tokens: int, seed: int = 0) -> None:
     path.write_text(" ".join(str(rng.randrange(256)) for _ in range(n_tokens)) + "\n")
 
 
-def run_worker(store: Path, text: Path, kill_after: float | None) -> float | None:
-    """Run one worker; kill it `kill_after` seconds into its ingest.
+def run_worker(store: Path, text: Path, kill_at: tuple[int, float] | None) -> bool:
+    """Run one worker; with kill_at = (tokens, seconds), SIGKILL it `seconds` after it reports `tokens`.
 
-    Returns the seconds its ingest took if it finished on its own, None if it was killed.
+    Returns True if it finished on its own, False if it was killed.
     """
     proc = subprocess.Popen([sys.executable, __file__, "--worker", str(store), str(text)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -65,18 +66,22 @@ def run_worker(store: Path, text: Path, kill_after: float | None) -> float | Non
     if not line.startswith("ingesting"):
         proc.wait()
         raise RuntimeError(f"worker failed to start: {line}{proc.stderr.read() if proc.stderr else ''}")
-    started = time.perf_counter()
-    if kill_after is not None:
-        try:
-            proc.wait(timeout=kill_after)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return None
+    if kill_at is not None:
+        target, jitter = kill_at
+        for line in proc.stdout:  # progress lines come after every chunk
+            if line.startswith("tokens") and int(line.split()[1]) >= target:
+                # The jitter moves the kill off the progress report, anywhere into the next chunk or commit.
+                try:
+                    proc.wait(timeout=jitter)
+                except subprocess.TimeoutExpired:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return False
+                break
     out, err = proc.communicate(timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"worker failed: {err}")
-    return time.perf_counter() - started
+    return True
 
 
 def check_store(store: Path) -> dict[str, int]:
@@ -97,9 +102,10 @@ def check_store(store: Path) -> dict[str, int]:
     assert len(files) == len({r.segment for r in committed}) or not committed, files
     if ns.checkpoint_name is not None:
         ns.load_checkpoint()
+    committed_tokens = ns.committed_tokens
     ns.close()
     lm.close()
-    return {"events": verified}
+    return {"events": verified, "tokens": committed_tokens}
 
 
 def events_of(store: Path) -> list[tuple[int, int, int]]:
@@ -119,24 +125,25 @@ def harness(workdir: Path, kills: int, n_tokens: int, seed: int = 0, log: Any = 
     rng = random.Random(seed)
     text = workdir / "doc.txt"
     make_text(text, n_tokens)
-    duration = run_worker(workdir / "reference", text, kill_after=None)
+    run_worker(workdir / "reference", text, kill_at=None)
     reference = events_of(workdir / "reference")
     tried, runs, complete_runs, missed = 0, 0, 0, 0
     while tried < kills:
         store = workdir / f"crash-{runs}"
         runs += 1
-        stored = 0
+        stored_tokens = 0
         while True:
-            # A kill lands anywhere in what is left of the ingest (a resumed worker has less to do).
-            left = duration * max(0.05, 1 - stored / len(reference))
-            delay = rng.uniform(0.0, left) if tried < kills else None  # kill budget spent: let it finish
-            finished = run_worker(store, text, kill_after=delay) is not None
+            # Aim at a random point of what is left of the ingest (a resumed worker starts further on).
+            kill_at = (rng.randint(stored_tokens, n_tokens), rng.uniform(0.0, 0.5)) if tried < kills else None
+            finished = run_worker(store, text, kill_at=kill_at)
             if finished:
-                missed += delay is not None
+                missed += kill_at is not None
                 break
             tried += 1
-            stored = check_store(store)["events"]
-            log(f"kill {tried}: after {delay:.2f} s, store holds {stored} verified events")
+            check = check_store(store)
+            stored_tokens = check["tokens"]
+            log(f"kill {tried}: {kill_at[1]:.2f} s after {kill_at[0]} tokens; the store holds {check['events']} "
+                f"verified events, {stored_tokens} committed tokens")
         complete_runs += 1
         got = events_of(store)
         assert got == reference, f"resumed ingest differs: {len(got)} events vs {len(reference)}"
@@ -169,7 +176,7 @@ def main() -> None:
         f"store opened, every checksum verified, segments matched the catalog and the checkpoint loaded. "
         f"{result['runs_completed_and_compared']} resumed runs finished and matched the uninterrupted run's "
         f"{result['reference_events']} events exactly ({result['tokens']} tokens, tiny Llama). "
-        f"{result['kills_that_came_too_late']} more kill times fell after the worker had finished (not counted). "
+        f"{result['kills_that_came_too_late']} more kill points fell after the worker had finished (not counted). "
         f"Run time {result['seconds']} s.\n\nCommand: `python tests/crash_harness.py --kills {result['kills']} "
         f"--tokens {result['tokens']}`\n"
     )
