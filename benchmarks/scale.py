@@ -10,7 +10,8 @@ Zipf-like distribution with a seed, fed through `Session.ingest_ids`.
 At each checkpoint (default 100k, 1M, 10M tokens) it reports ingest tokens/s over the last
 interval, peak RSS, disk bytes per token (and as a fraction of the fp16 KV it stands for), and the
 latency of one recall (index search + fetch of the chosen events' KV for every layer, caches
-emptied first so the disk tier is read), p50 and p99 over --recalls queries.
+emptied first so the disk tier is read), p50 and p99 over --recalls queries, with the p99 of the
+search and the fetch parts apart.
 
     python benchmarks/scale.py --tokens 10000000
 """
@@ -61,21 +62,32 @@ def token_stream(total: int, seed: int, piece: int = 65536):
         yield rng.choice(VOCAB, size=min(piece, total - start), p=probs).tolist()
 
 
-def recall_latency(session: Any, n: int, seed: int) -> tuple[float, float]:
+def recall_latency(session: Any, n: int, seed: int) -> dict[str, float]:
+    """p50/p99 ms of whole recalls, and p99 of their two parts: index search and KV fetch from disk."""
     memory, cfg = session.memory, session.cfg
     rng = np.random.default_rng(seed)
-    times = []
+    total, search, fetch = [], [], []
     for _ in range(n):
+        target = int(rng.integers(len(memory)))
+        queries = [torch.from_numpy(q) for q in memory._representatives(target)]  # a stored event's own keys
         memory.hot.clear()
         memory.warm.clear()
-        target = int(rng.integers(len(memory)))
-        t0 = time.perf_counter()
+        t_search = t_fetch = 0.0
         for layer in range(memory.num_layers):
-            query = torch.from_numpy(memory._representatives(target)[layer])  # a stored event's own key summary
-            ids = select_events(memory, layer, query, cfg.recall, cfg.segmentation.min_event)
+            t0 = time.perf_counter()
+            ids = select_events(memory, layer, queries[layer], cfg.recall, cfg.segmentation.min_event)
+            t1 = time.perf_counter()
             memory.gather(layer, ids)
-        times.append(time.perf_counter() - t0)
-    return float(np.percentile(times, 50) * 1000), float(np.percentile(times, 99) * 1000)
+            t_search, t_fetch = t_search + t1 - t0, t_fetch + time.perf_counter() - t1
+        total.append(t_search + t_fetch)
+        search.append(t_search)
+        fetch.append(t_fetch)
+
+    def ms(values: list[float], q: int) -> float:
+        return round(float(np.percentile(values, q)) * 1000, 2)
+
+    return {"recall_ms_p50": ms(total, 50), "recall_ms_p99": ms(total, 99),
+            "search_ms_p99": ms(search, 99), "fetch_ms_p99": ms(fetch, 99)}
 
 
 def main() -> None:
@@ -109,7 +121,7 @@ def main() -> None:
     checkpoints = sorted(c for c in args.checkpoints if c <= args.tokens)
     done, last_t, last_n = 0, time.perf_counter(), 0
     started = last_t
-    anon_max = 0.0  # sampled after every piece: peak RSS also counts the mmapped segments' page cache
+    anon_max = 0.0  # sampled after every piece, as a check that peak RSS is the process's own memory
     for ids in token_stream(args.tokens, seed=0):
         session.ingest_ids(ids)
         done += len(ids)
@@ -118,7 +130,7 @@ def main() -> None:
             checkpoints.pop(0)
             session.commit()
             now = time.perf_counter()
-            p50, p99 = recall_latency(session, args.recalls, seed=done)
+            latency = recall_latency(session, args.recalls, seed=done)
             disk = session.store_memory.store.disk_bytes()
             anon, file_backed = rss_split_mb()
             anon_max = max(anon_max, anon)
@@ -127,7 +139,7 @@ def main() -> None:
                 "peak_rss_mb": round(peak_rss_mb(), 1), "anon_rss_max_mb": round(anon_max, 1),
                 "file_rss_mb": round(file_backed, 1), "disk_bytes_per_token": round(disk / done, 1),
                 "disk_vs_fp16_kv": round(disk / done / fp16_bytes_per_token, 3),
-                "recall_ms_p50": round(p50, 2), "recall_ms_p99": round(p99, 2),
+                **latency,
                 "index": session.store_memory.indexes.kind, "elapsed_s": round(now - started, 1),
             }
             rows.append(row)
@@ -147,14 +159,15 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16
         f"warm {args.warm_mib or 'default'} MiB)",
         "",
         "| tokens | events | tokens/s | peak RSS MB | anonymous RSS max MB | file-backed RSS MB | disk B/token |"
-        " disk / fp16 KV | recall p50 ms | recall p99 ms | index |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        " disk / fp16 KV | recall p50 ms | recall p99 ms | search / fetch p99 ms | index |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['tokens']:,} | {r['events']:,} | {r['tokens_per_s']} | {r['peak_rss_mb']} | "
                      f"{r.get('anon_rss_max_mb', 'n/a')} | {r.get('file_rss_mb', 'n/a')} | "
                      f"{r['disk_bytes_per_token']} | {r['disk_vs_fp16_kv']} | {r['recall_ms_p50']} | "
-                     f"{r['recall_ms_p99']} | {r['index']} |")
+                     f"{r['recall_ms_p99']} | {r.get('search_ms_p99', 'n/a')} / {r.get('fetch_ms_p99', 'n/a')} | "
+                     f"{r['index']} |")
     if len(rows) >= 2:
         first, last = rows[0], rows[-1]
         anon = (f"; anonymous RSS max {last['anon_rss_max_mb'] / rows[-2]['anon_rss_max_mb']:.2f}x"

@@ -6,7 +6,7 @@
 The worker ingests a text file into a store with a tiny random Llama (same seed, so every process
 computes the same thing) and commits every few chunks. The harness starts it, picks a random
 point of what is left of the ingest, waits until the worker reports reaching it and sends SIGKILL
-0-0.5 s later (anywhere in the next chunks, commits included), then opens the store itself: it must open, every
+0-0.1 s later (anywhere in the next chunks, commits included), then opens the store itself: it must open, every
 committed blob must verify, the segment files must hold exactly the committed blobs (after the
 recovery that opening does), and the checkpoint must load. Then the next worker resumes. When a
 worker finishes, the events (spans and blob checksums) must equal those of an uninterrupted run.
@@ -134,7 +134,7 @@ def harness(workdir: Path, kills: int, n_tokens: int, seed: int = 0, log: Any = 
         stored_tokens = 0
         while True:
             # Aim at a random point of what is left of the ingest (a resumed worker starts further on).
-            kill_at = (rng.randint(stored_tokens, n_tokens), rng.uniform(0.0, 0.5)) if tried < kills else None
+            kill_at = (rng.randint(stored_tokens, n_tokens), rng.uniform(0.0, 0.1)) if tried < kills else None
             finished = run_worker(store, text, kill_at=kill_at)
             if finished:
                 missed += kill_at is not None

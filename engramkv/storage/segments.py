@@ -138,6 +138,26 @@ class SegmentLog:
             raise ChecksumMismatch(f"checksum mismatch for {ref}")
         return view
 
+    def read_copy(self, ref: BlobRef) -> bytes:
+        """A copy of a payload; the mapped pages it touched leave this process's resident set.
+
+        Pages read through a map count in the reader's RSS until the kernel reclaims them, so a
+        process recalling across a 10M-token store would look as large as the part of the store it
+        has touched. MADV_DONTNEED on a read-only file map only drops this process's page-table
+        entries: the data stays in the kernel's page cache for the next read, and a view still held
+        elsewhere faults its page back in.
+        """
+        view = self.read(ref)
+        try:
+            data = bytes(view)
+        finally:
+            view.release()
+        mm = self._maps[ref.segment]
+        if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED") and ref.length > 0:
+            start = ref.offset - ref.offset % mmap.PAGESIZE
+            mm.madvise(mmap.MADV_DONTNEED, start, ref.offset + ref.length - start)
+        return data
+
     def verify(self, ref: BlobRef) -> bool:
         """True if the payload's crc32 matches the reference; SegmentError if it cannot be read at all."""
         return zlib.crc32(self.read(ref)) == ref.checksum

@@ -425,9 +425,7 @@ class NamespaceMemory:
             return self._overlay[event_id]
         ref = BlobRef(self._segment[event_id], self._offset[event_id], self._length[event_id], self._crc[event_id])
         try:
-            view = self.segments.read(ref)
-            blob = bytes(view)  # copy out: the warm tier must not pin the mmap (recovery truncates files)
-            view.release()
+            blob = self.segments.read_copy(ref)  # a copy: the warm tier must not pin the map (recovery truncates)
         except SegmentError as err:
             raise StoreCorruptError(f"event {event_id} of {'/'.join(self.names)}: {err}") from err
         if zlib.crc32(blob) != ref.checksum:
