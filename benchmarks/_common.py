@@ -61,8 +61,8 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write_results(name: str, payload: dict[str, Any], table: str) -> tuple[Path, Path]:
-    json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+def write_results(name: str, payload: dict[str, Any], table: str, directory: Path = RESULTS) -> tuple[Path, Path]:
+    json_path, md_path = directory / f"{name}.json", directory / f"{name}.md"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     md_path.write_text(table)

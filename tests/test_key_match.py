@@ -163,3 +163,24 @@ def test_candidates_from_the_reading_recall_are_re_ranked_too():
     assert 20 not in [event_id for event_id, _ in crowded]  # 40 identical blurs fill the candidates
     rescued = match_question(memory, question_keys, layers, k=3, candidates=5, also=[20, 3])
     assert rescued[0][0] == 20
+
+
+def test_a_question_answered_by_the_window_recalls_nothing(monkeypatch):
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    planted = [7, 77, 177, 17, 71, 170, 107, 7]
+    session.ingest(" ".join(map(str, _stream(600) + planted + _stream(20, seed=1))))  # planted: in the local window
+    assert session.state.local_start < session.state.n_tokens - 28
+    seen: list[list[int]] = []
+    original = session.state.step
+
+    def step(token_ids, mode="ingest"):
+        logits = original(token_ids, mode)
+        if mode in ("prompt", "decode"):
+            seen.extend(list(layer.recalled_ids) for layer in session.state.layers)
+        return logits
+
+    monkeypatch.setattr(session.state, "step", step)
+    session.chat(" ".join(map(str, planted)), max_new_tokens=3)
+    assert seen and all(ids == [] for ids in seen)  # memory would only crowd the window
+    assert session.last_recalled == []

@@ -19,7 +19,7 @@ from engramkv.agent.results import IngestReport, RecalledEvent, SessionStats
 from engramkv.config import EngineConfig
 from engramkv.errors import ConfigError, EmptyInputError, InputError, ReadOnlyError, SessionError
 from engramkv.memory.events import EventMemory, InMemoryEventMemory
-from engramkv.retrieval.key_match import answer_events, match_question
+from engramkv.retrieval.key_match import answer_events, match_question, token_match
 from engramkv.storage.store import DocumentProgress, NamespaceMemory
 
 if TYPE_CHECKING:
@@ -394,7 +394,8 @@ class Session:
                 self._pending.extend(preamble_ids)
                 self._flush(mode="prompt")
             self.last_recalled = []
-            if question_span is not None and self.cfg.recall.question_match == "keys" and len(self.memory) > 0:
+            recall = self.cfg.recall
+            if question_span is not None and recall.enabled and recall.question_match == "keys" and len(self.memory):
                 self._pin_answer_events(prompt_ids, question_span)
             try:
                 self._pending.extend(prompt_ids)
@@ -426,9 +427,15 @@ class Session:
     def _pin_answer_events(self, prompt_ids: list[int], span: tuple[int, int]) -> None:
         recall = self.cfg.recall
         self._flush()  # the probe reads the prompt after everything queued
-        matches = self._match(prompt_ids, span, recall.answer_hits)
+        matches, window = self._match(prompt_ids, span, recall.answer_hits, against_window=True)
         if not matches:
             return  # nothing to match on: the per-layer recall stays in charge
+        if window >= matches[0][1]:
+            # The text still in the window matches the question better than any event: memory would
+            # only crowd it (measured: a passkey in the window, answered with 512 recalled filler
+            # tokens, was lost; answered with none, found).
+            self.state.pinned_events = []
+            return
         budget = recall.budget_tokens
         if recall.answer_budget_tokens is not None:
             budget = min(budget, recall.answer_budget_tokens)
@@ -467,7 +474,7 @@ class Session:
         with self._exclusive("recall"):
             self._flush()
             if self.cfg.recall.question_match == "keys":
-                return self._recalled_events(self._match(ids, (0, len(ids)), k))
+                return self._recalled_events(self._match(ids, (0, len(ids)), k)[0])
             queries = self.state.probe(torch.tensor(ids, dtype=torch.long)).queries
         n_events = len(self.memory)
         total = torch.zeros(n_events)
@@ -480,8 +487,14 @@ class Session:
         best = torch.topk(total, min(k, n_events))
         return self._recalled_events(list(zip(best.indices.tolist(), best.values.tolist())))
 
-    def _match(self, ids: list[int], span: tuple[int, int], k: int) -> list[tuple[int, float]]:
-        """Probe `ids` after the stream and match the keys of ids[span[0]:span[1]] against the events."""
+    def _match(
+        self, ids: list[int], span: tuple[int, int], k: int, against_window: bool = False
+    ) -> tuple[list[tuple[int, float]], float]:
+        """Probe `ids` after the stream and match the keys of ids[span[0]:span[1]] against the events.
+
+        Returns the best `k` (event id, score) and, with `against_window`, the score the resident
+        window (sinks and local tokens) gets as if it were one event (else -inf).
+        """
         probe = self.state.probe(torch.tensor(ids, dtype=torch.long))
         layers = self.state.summary_layers
         question_keys = torch.stack([probe.keys[layer][:, span[0] : span[1]] for layer in layers])  # (S, Hkv, C, D)
@@ -491,7 +504,14 @@ class Session:
             for event_id in chosen:
                 votes[event_id] = votes.get(event_id, 0) + 1
         voted = sorted(votes, key=lambda event_id: (-votes[event_id], event_id))[:candidates]
-        return match_question(self.memory, question_keys, layers, k, candidates, also=voted)
+        matches = match_question(self.memory, question_keys, layers, k, candidates, also=voted)
+        window = float("-inf")
+        resident = [torch.cat([self.state.layers[layer].sink_k, self.state.layers[layer].local_k], dim=1)
+                    for layer in layers]  # (Hkv, R, D) each
+        if against_window and resident[0].shape[1] > 0 and question_keys.shape[2] > 0:
+            owner = torch.zeros(resident[0].shape[1], dtype=torch.long)
+            window = float(token_match(resident, owner, 1, question_keys)[0])
+        return matches, window
 
     def _recalled_events(self, scored: list[tuple[int, float]]) -> list[RecalledEvent]:
         event_ids = [event_id for event_id, _ in scored]

@@ -57,16 +57,26 @@ def rerank(
         return []
     lengths = torch.tensor([memory.event(e).length for e in candidates])
     owner = torch.repeat_interleave(torch.arange(len(candidates)), lengths)  # (M,) candidate of each token
-    scores = torch.zeros(len(candidates))
-    for i, layer in enumerate(layers):
-        keys, _ = memory.gather(layer, list(candidates))  # (Hkv, M, D)
-        event_keys = F.normalize(keys.float().cpu(), dim=-1)
-        question = F.normalize(question_keys[i].float(), dim=-1)  # (Hkv, C, D)
-        cosine = torch.einsum("hmd,hcd->mc", event_keys, question) / event_keys.shape[0]  # (M, C) mean over heads
-        best = torch.full((len(candidates), cosine.shape[1]), -2.0)
-        best.scatter_reduce_(0, owner[:, None].expand_as(cosine), cosine, "amax")  # (E, C)
+    keys = [memory.gather(layer, list(candidates))[0] for layer in layers]  # (Hkv, M, D) per layer
+    return token_match(keys, owner, len(candidates), question_keys).tolist()
+
+
+def token_match(
+    keys: Sequence[torch.Tensor],  # (Hkv, M, D) per summary layer: the tokens of one or more spans
+    owner: torch.Tensor,  # (M,) which span each token belongs to
+    n_spans: int,
+    question_keys: torch.Tensor,  # (S, Hkv, C, D)
+) -> torch.Tensor:  # (n_spans,)
+    """Per span: for each question token and layer the best key cosine in the span, averaged."""
+    scores = torch.zeros(n_spans)
+    for layer_keys, question in zip(keys, question_keys):
+        span_keys = F.normalize(layer_keys.float().cpu(), dim=-1)
+        question = F.normalize(question.float(), dim=-1)  # (Hkv, C, D)
+        cosine = torch.einsum("hmd,hcd->mc", span_keys, question) / span_keys.shape[0]  # (M, C) mean over heads
+        best = torch.full((n_spans, cosine.shape[1]), -2.0)
+        best.scatter_reduce_(0, owner[:, None].expand_as(cosine), cosine, "amax")  # (n_spans, C)
         scores += best.mean(dim=1)
-    return (scores / len(layers)).tolist()
+    return scores / len(keys)
 
 
 def match_question(

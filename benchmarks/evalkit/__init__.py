@@ -1,0 +1,1 @@
+"""The evaluation harness behind `benchmarks/evaluate.py`: tasks and systems as plugins (registries)."""

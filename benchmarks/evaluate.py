@@ -1,0 +1,156 @@
+"""Long-context evaluation: every task against every system, on one model, at several lengths.
+
+    python benchmarks/evaluate.py                          # all tasks and systems, 4k-32k, 1 sample per cell
+    python benchmarks/evaluate.py --tasks passkey --lengths 65536 131072 --systems engram streaming
+    python benchmarks/evaluate.py --quick                  # a few minutes: every task and system at 2k
+
+Tasks (`evalkit/tasks.py`): passkey, kv, niah-single, niah-multikey, niah-multivalue, niah-multiquery,
+conversation. Systems (`evalkit/systems.py`): full, streaming, rag, inflm, engram-surprise,
+engram-refined, engram. The model is the embedded default unless --model names another.
+
+Writes benchmarks/results/{name}.json (every run: reply, score, speed, memory), {name}.md (accuracy
+per task, system and length; speed and memory per system) and {name}.png (accuracy against context
+length, one line per system, one panel per task). The JSON is rewritten after every run, so an
+interrupted evaluation keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from _common import RESULTS, machine, write_results
+from engramkv.config import ModelConfig
+from engramkv.hf import load_pretrained
+from evalkit.systems import SYSTEMS, Models
+from evalkit.tasks import TASKS
+
+QUICK_LENGTH = 2048
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS), metavar="TASK")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS), metavar="SYSTEM")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--samples", type=int, default=1, help="samples per task and length (default 1)")
+    parser.add_argument("--full-max", type=int, default=16384,
+                        help="longest context for full attention (its cost is quadratic; default 16384)")
+    parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
+    parser.add_argument("--quick", action="store_true", help=f"one sample of everything at {QUICK_LENGTH} tokens")
+    parser.add_argument("--name", default="eval")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    args = parser.parse_args()
+    if args.quick:
+        args.lengths, args.samples = [QUICK_LENGTH], 1
+
+    model, tokenizer, model_id = load_pretrained(ModelConfig(name_or_path=args.model))
+    models = Models(model, tokenizer, model_id)
+    runs: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for length in sorted(args.lengths):
+        for task in args.tasks:
+            for seed in range(args.samples):
+                sample = TASKS[task](tokenizer, length, seed)
+                for system in args.systems:
+                    if system == "full" and length > args.full_max:
+                        continue
+                    run = SYSTEMS[system](models, sample)
+                    runs.append({"task": task, "system": system, "length": length, "seed": seed,
+                                 "score": sample.score(run.reply), "answers": sample.answers,
+                                 **dataclasses.asdict(run)})
+                    print(f"{task:16s} {system:16s} {length:>7,} seed {seed}: score {runs[-1]['score']:.2f} "
+                          f"reply {run.reply[:60]!r}", flush=True)
+                    save(args, model_id, runs, started)
+    save(args, model_id, runs, started, plot=True)
+
+
+def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], started: float,
+         plot: bool = False) -> None:
+    accuracy: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+    for r in runs:
+        accuracy[r["task"], r["system"], r["length"]].append(r["score"])
+    lengths = sorted({r["length"] for r in runs})
+    systems = [s for s in args.systems if any(r["system"] == s for r in runs)]
+    lines = [f"# Long-context evaluation ({model_id})", "",
+             f"Command: `python benchmarks/evaluate.py {' '.join(_argv(args))}`; {len(runs)} runs in "
+             f"{time.perf_counter() - started:.0f} s. Score: share of the expected answers in the reply, "
+             "averaged over the samples of a cell (n in brackets). Full attention runs up to "
+             f"{args.full_max:,} tokens.", ""]
+    for task in args.tasks:
+        lines += [f"## {task}", "", "| system | " + " | ".join(f"{n // 1024}k" for n in lengths) + " |",
+                  "|---|" + "---|" * len(lengths)]
+        for system in systems:
+            cells = []
+            for n in lengths:
+                scores = accuracy.get((task, system, n))
+                cells.append(f"{sum(scores) / len(scores):.2f} ({len(scores)})" if scores else "-")
+            lines.append(f"| {system} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## Speed and memory (means over all runs of a system at each length)", "",
+              "| system | length | ingest tok/s | first token s | decode tok/s | peak RSS MB |", "|---|---|---|---|---|---|"]
+    for system in systems:
+        for n in lengths:
+            mine = [r for r in runs if r["system"] == system and r["length"] == n]
+            if not mine:
+                continue
+            ingest = [r["context_tokens"] / r["ingest_s"] for r in mine if r["ingest_s"] > 0]
+            lines.append(
+                f"| {system} | {n:,} | {_mean(ingest):,.0f} | {_mean([r['first_token_s'] for r in mine]):.2f} | "
+                f"{_mean([r['decode_tokens_per_s'] for r in mine]):.1f} | {max(r['peak_rss_mb'] for r in mine):,.0f} |"
+            )
+    payload = {"runs": runs, "args": {k: str(v) for k, v in vars(args).items()}, "model": model_id,
+               "machine": machine()}
+    write_results(args.name, payload, "\n".join(lines) + "\n", directory=args.out)
+    if plot:
+        plot_accuracy(args.out / f"{args.name}.png", args.tasks, systems, lengths, accuracy)
+
+
+def plot_accuracy(path: Path, tasks: list[str], systems: list[str], lengths: list[int],
+                  accuracy: dict[tuple[str, str, int], list[float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    columns = min(4, len(tasks))
+    rows = math.ceil(len(tasks) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.2 * rows), squeeze=False, sharey=True)
+    for ax, task in zip(axes.flat, tasks):
+        for system in systems:
+            points = [(n, sum(s) / len(s)) for n in lengths if (s := accuracy.get((task, system, n)))]
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=system)
+        ax.set_title(task)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("context tokens")
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("score")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), fontsize="small")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    if args.quick:
+        return ["--quick"]
+    return ["--tasks", *args.tasks, "--systems", *args.systems, "--lengths", *map(str, args.lengths),
+            "--samples", str(args.samples), "--full-max", str(args.full_max)]
+
+
+if __name__ == "__main__":
+    main()
