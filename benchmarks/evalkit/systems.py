@@ -10,7 +10,8 @@
   engram        engramkv as shipped: surprise + refinement + contiguity (neighbours and buffer)
 
 Every system answers `"\\n\\nQuestion: {question}\\nAnswer:"` after the context (engramkv's `chat`
-renders its turns that way) and stops at the first blank line after some text or at 32 new tokens.
+renders its turns that way); the reply is cut at the first blank line after some text, and at most
+32 tokens are generated.
 Each run reports ingest tokens/s, time to first token after ingest, decode tokens/s and peak RSS.
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 import faiss
 import numpy as np
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from engramkv import EngineConfig, EpisodicLM
 from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig
@@ -103,25 +105,32 @@ class Models:
         return self._embedder
 
 
+class _Clock(BaseStreamer):
+    """Times the tokens `generate` streams: the first call is the prompt, then one per new token."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.calls: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.calls.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def plain_generate(models: Models, prompt_ids: list[int]) -> tuple[str, float, float]:
-    """Greedy decoding with a transformers cache: (reply, seconds to first token, decode tokens/s)."""
-    model, tokenizer = models.plain, models.tokenizer
-    started = time.perf_counter()
+    """Greedy decoding with plain transformers: (reply, seconds to first token, decode tokens/s)."""
+    clock = _Clock()
     with torch.inference_mode():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
-        cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
-        first = time.perf_counter() - started
-        new = [token]
-        t0 = time.perf_counter()
-        while len(new) < MAX_NEW_TOKENS and token != tokenizer.eos_token_id:
-            if "\n\n" in tokenizer.decode(new).lstrip():
-                break
-            out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
-            new.append(token)
-        decode_s = time.perf_counter() - t0
-    text = tokenizer.decode(new, skip_special_tokens=True)
-    return _cut_reply(text), first, (len(new) - 1) / decode_s if decode_s > 0 else 0.0
+        out = models.plain.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                                    streamer=clock)
+    new = out[0, len(prompt_ids) :]
+    token_times = clock.calls[1:]  # calls[0] is the prompt
+    first = token_times[0] - clock.started if token_times else float("nan")
+    span = token_times[-1] - token_times[0] if len(token_times) > 1 else 0.0
+    decode = (len(token_times) - 1) / span if span > 0 else 0.0
+    return _cut_reply(models.tokenizer.decode(new, skip_special_tokens=True)), first, decode
 
 
 SystemFn = Callable[[Models, Sample], Run]

@@ -430,7 +430,7 @@ class Session:
         matches, window = self._match(prompt_ids, span, recall.answer_hits, against_window=True)
         if not matches:
             return  # nothing to match on: the per-layer recall stays in charge
-        if window >= matches[0][1]:
+        if window > matches[0][1] + recall.window_margin:
             # The text still in the window matches the question better than any event: memory would
             # only crowd it (measured: a passkey in the window, answered with 512 recalled filler
             # tokens, was lost; answered with none, found).
@@ -492,8 +492,9 @@ class Session:
     ) -> tuple[list[tuple[int, float]], float]:
         """Probe `ids` after the stream and match the keys of ids[span[0]:span[1]] against the events.
 
-        Returns the best `k` (event id, score) and, with `against_window`, the score the resident
-        window (sinks and local tokens) gets as if it were one event (else -inf).
+        Returns the best `k` (event id, score) and, with `against_window`, the best score of a span of
+        the resident window (sinks and local tokens) cut into pieces as long as the hits (else -inf):
+        what the window offers, measured the way the events were.
         """
         probe = self.state.probe(torch.tensor(ids, dtype=torch.long))
         layers = self.state.summary_layers
@@ -506,11 +507,13 @@ class Session:
         voted = sorted(votes, key=lambda event_id: (-votes[event_id], event_id))[:candidates]
         matches = match_question(self.memory, question_keys, layers, k, candidates, also=voted)
         window = float("-inf")
-        resident = [torch.cat([self.state.layers[layer].sink_k, self.state.layers[layer].local_k], dim=1)
-                    for layer in layers]  # (Hkv, R, D) each
-        if against_window and resident[0].shape[1] > 0 and question_keys.shape[2] > 0:
-            owner = torch.zeros(resident[0].shape[1], dtype=torch.long)
-            window = float(token_match(resident, owner, 1, question_keys)[0])
+        if against_window and question_keys.shape[2] > 0:
+            resident = [torch.cat([self.state.layers[layer].sink_k, self.state.layers[layer].local_k], dim=1)
+                        for layer in layers]  # (Hkv, R, D) each
+            if resident[0].shape[1] > 0 and matches:
+                span_tokens = max(1, round(sum(self.memory.event(e).length for e, _ in matches) / len(matches)))
+                owner = torch.arange(resident[0].shape[1]) // span_tokens  # (R,)
+                window = float(token_match(resident, owner, int(owner[-1]) + 1, question_keys).max())
         return matches, window
 
     def _recalled_events(self, scored: list[tuple[int, float]]) -> list[RecalledEvent]:
