@@ -37,8 +37,9 @@ def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
         (task, system) for task in ("passkey", "niah-multikey", "conversation") for system in SYSTEMS
     }
     for r in runs:
-        assert r["reply"].strip(), r
-        assert 0 <= r["score"] <= 1 and r["first_token_s"] > 0 and r["peak_rss_mb"] > 0
+        assert 0 <= r["score"] <= 1 and r["first_token_s"] >= 0 and r["peak_rss_mb"] > 0, r
+    for system in SYSTEMS:  # each system answered something
+        assert any(r["reply"].strip() for r in runs if r["system"] == system), system
     passkey = {r["system"]: r["score"] for r in runs if r["task"] == "passkey"}
     assert passkey["engram"] == 1.0 and passkey["full"] == 1.0  # 2k tokens: both must find it
     table = (tmp_path / "quick.md").read_text()

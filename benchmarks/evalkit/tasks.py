@@ -191,9 +191,13 @@ def conversation(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
     ]
     turns = [f"User: {said}\nAssistant: {reply}\n\n" for said, reply in facts]
     used = sum(_count(tokenizer, t) for t in turns) + 40
-    for paragraph in haystack(tokenizer, max(0, length - used), random.Random(seed + 1)):
+    for paragraph in haystack(tokenizer, length, random.Random(seed + 1)):
         topic = paragraph.split("\n", 1)[0][:60]
-        turns.append(f"User: Tell me about this: {topic}\nAssistant: {paragraph}\n\n")
+        turn = f"User: Tell me about this: {topic}\nAssistant: {paragraph}\n\n"
+        used += _count(tokenizer, turn)
+        if used > length:
+            break
+        turns.append(turn)
     asked = rng.choice([("In which city does my sister live?", city), ("What is the name of my pet?", pet_name),
                         ("What is my sister called?", sister)])
     return Sample("conversation", length, seed, turns, asked[0], [asked[1]])
