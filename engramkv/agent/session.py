@@ -6,6 +6,7 @@ import json
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -416,12 +417,8 @@ class Session:
 
     def _attended_events(self) -> list[RecalledEvent]:
         """The events the layers recalled for the prompt, most layers first; score = share of layers."""
-        counts: dict[int, int] = {}
-        for layer in self.state.layers:
-            for event_id in layer.recalled_ids:
-                counts[event_id] = counts.get(event_id, 0) + 1
-        ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
         n_layers = len(self.state.layers)
+        ranked = _by_votes([layer.recalled_ids for layer in self.state.layers])
         return self._recalled_events([(event_id, count / n_layers) for event_id, count in ranked])
 
     def _pin_answer_events(self, prompt_ids: list[int], span: tuple[int, int]) -> None:
@@ -500,11 +497,8 @@ class Session:
         layers = self.state.summary_layers
         question_keys = torch.stack([probe.keys[layer][:, span[0] : span[1]] for layer in layers])  # (S, Hkv, C, D)
         candidates = self.cfg.recall.rerank_candidates
-        votes: dict[int, int] = {}  # how many layers' query recall chose each event
-        for chosen in probe.recalled:
-            for event_id in chosen:
-                votes[event_id] = votes.get(event_id, 0) + 1
-        voted = sorted(votes, key=lambda event_id: (-votes[event_id], event_id))[:candidates]
+        # Also re-rank what the layers' query recall chose: a summary search alone can be crowded out.
+        voted = [event_id for event_id, _ in _by_votes(probe.recalled)[:candidates]]
         matches = match_question(self.memory, question_keys, layers, k, candidates, also=voted)
         window = float("-inf")
         if against_window and question_keys.shape[2] > 0:
@@ -561,6 +555,12 @@ class Session:
             disk_bytes=store.disk_bytes() if store is not None else 0,
             committed_tokens=store.committed_tokens if store is not None else 0,
         )
+
+
+def _by_votes(chosen_per_layer: Iterable[list[int]]) -> list[tuple[int, int]]:
+    """(event id, number of layers that chose it), most chosen first, then by id."""
+    counts = Counter(event_id for chosen in chosen_per_layer for event_id in chosen)
+    return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
 
 
 def _partial_suffix(text: str, stop: str) -> int:
