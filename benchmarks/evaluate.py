@@ -11,13 +11,15 @@ engram-refined, engram. The model is the embedded default unless --model names a
 Writes benchmarks/results/{name}.json (every run: reply, score, speed, memory), {name}.md (accuracy
 per task, system and length; speed and memory per system) and {name}.png (accuracy against context
 length, one line per system, one panel per task). The JSON is rewritten after every run, so an
-interrupted evaluation keeps what it measured.
+interrupted evaluation keeps what it measured, and `--resume` runs only the cells it lacks (the full
+grid takes hours on a CPU: it can be built up over several invocations, each adding its command).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import time
 from collections import defaultdict
@@ -48,6 +50,8 @@ def main() -> None:
                         help=f"one sample of three tasks on every system at {QUICK_LENGTH} tokens (a few minutes)")
     parser.add_argument("--name", default="eval")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in {name}.json and run only the missing ones")
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.samples = [QUICK_LENGTH], 1
@@ -55,38 +59,54 @@ def main() -> None:
 
     model, tokenizer, model_id = load_pretrained(ModelConfig(name_or_path=args.model))
     models = Models(model, tokenizer, model_id)
-    runs: list[dict[str, Any]] = []
-    started = time.perf_counter()
+    runs, commands = previous_runs(args, model_id) if args.resume else ([], [])
+    commands.append(" ".join(["python benchmarks/evaluate.py", *_argv(args)]))
+    done = {(r["task"], r["system"], r["length"], r["seed"]) for r in runs}
     for length in sorted(args.lengths):
         for task in args.tasks:
             for seed in range(args.samples):
+                todo = [s for s in args.systems if (task, s, length, seed) not in done
+                        and not (s == "full" and length > args.full_max)]
+                if not todo:
+                    continue
                 sample = TASKS[task](tokenizer, length, seed)
-                for system in args.systems:
-                    if system == "full" and length > args.full_max:
-                        continue
+                for system in todo:
+                    started = time.perf_counter()
                     run = SYSTEMS[system](models, sample)
                     runs.append({"task": task, "system": system, "length": length, "seed": seed,
                                  "score": sample.score(run.reply), "answers": sample.answers,
-                                 **dataclasses.asdict(run)})
+                                 **dataclasses.asdict(run), "wall_s": round(time.perf_counter() - started, 1)})
                     print(f"{task:16s} {system:16s} {length:>7,} seed {seed}: score {runs[-1]['score']:.2f} "
                           f"reply {run.reply[:60]!r}", flush=True)
-                    save(args, model_id, runs, started)
-    save(args, model_id, runs, started, plot=True)
+                    save(args, model_id, runs, commands)
+    save(args, model_id, runs, commands, plot=True)
 
 
-def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], started: float,
+def previous_runs(args: argparse.Namespace, model_id: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The runs and commands of an earlier evaluation under the same name, for --resume."""
+    path = args.out / f"{args.name}.json"
+    if not path.exists():
+        return [], []
+    payload = json.loads(path.read_text())
+    if payload.get("model") != model_id:
+        raise SystemExit(f"{path} holds runs of {payload.get('model')}, not {model_id}: use another --name")
+    return payload["runs"], payload.get("commands", [])
+
+
+def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], commands: list[str],
          plot: bool = False) -> None:
     accuracy: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     for r in runs:
         accuracy[r["task"], r["system"], r["length"]].append(r["score"])
     lengths = sorted({r["length"] for r in runs})
-    systems = [s for s in args.systems if any(r["system"] == s for r in runs)]
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in runs)]
+    tasks = [t for t in TASKS if any(r["task"] == t for r in runs)]
+    hours = sum(r.get("wall_s", 0.0) for r in runs) / 3600
     lines = [f"# Long-context evaluation ({model_id})", "",
-             f"Command: `python benchmarks/evaluate.py {' '.join(_argv(args))}`; {len(runs)} runs in "
-             f"{time.perf_counter() - started:.0f} s. Score: share of the expected answers in the reply, "
-             "averaged over the samples of a cell (n in brackets). Full attention runs up to "
-             f"{args.full_max:,} tokens.", ""]
-    for task in args.tasks:
+             f"{len(runs)} runs, {hours:.1f} hours of system time, from " + "; ".join(f"`{c}`" for c in commands)
+             + ". Score: share of the expected answers in the reply, averaged over the samples of a cell "
+             "(n in brackets); `-`: not run.", ""]
+    for task in tasks:
         lines += [f"## {task}", "", "| system | " + " | ".join(f"{n // 1024}k" for n in lengths) + " |",
                   "|---|" + "---|" * len(lengths)]
         for system in systems:
@@ -97,7 +117,9 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], st
             lines.append(f"| {system} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Speed and memory (means over all runs of a system at each length)", "",
-              "| system | length | ingest tok/s | first token s | decode tok/s | peak RSS MB |", "|---|---|---|---|---|---|"]
+              "Added RSS: the process's peak during the run minus its resident memory when the run began (the "
+              "process holds the model twice, the embedding model and the harness, so its total says little).", "",
+              "| system | length | ingest tok/s | first token s | decode tok/s | added RSS MB |", "|---|---|---|---|---|---|"]
     for system in systems:
         for n in lengths:
             mine = [r for r in runs if r["system"] == system and r["length"] == n]
@@ -106,13 +128,13 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], st
             ingest = [r["context_tokens"] / r["ingest_s"] for r in mine if r["ingest_s"] > 0]
             lines.append(
                 f"| {system} | {n:,} | {_mean(ingest):,.0f} | {_mean([r['first_token_s'] for r in mine]):.2f} | "
-                f"{_mean([r['decode_tokens_per_s'] for r in mine]):.1f} | {max(r['peak_rss_mb'] for r in mine):,.0f} |"
+                f"{_mean([r['decode_tokens_per_s'] for r in mine]):.1f} | "
+                f"{max(r['peak_rss_mb'] - r.get('rss_before_mb', 0.0) for r in mine):,.0f} |"
             )
-    payload = {"runs": runs, "args": {k: str(v) for k, v in vars(args).items()}, "model": model_id,
-               "machine": machine()}
+    payload = {"runs": runs, "commands": commands, "model": model_id, "machine": machine()}
     write_results(args.name, payload, "\n".join(lines) + "\n", directory=args.out)
     if plot:
-        plot_accuracy(args.out / f"{args.name}.png", args.tasks, systems, lengths, accuracy)
+        plot_accuracy(args.out / f"{args.name}.png", tasks, systems, lengths, accuracy)
 
 
 def plot_accuracy(path: Path, tasks: list[str], systems: list[str], lengths: list[int],
@@ -150,10 +172,11 @@ def _mean(values: list[float]) -> float:
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
+    name = [] if args.name == "eval" else ["--name", args.name]
     if args.quick:
-        return ["--quick"]
-    return ["--tasks", *args.tasks, "--systems", *args.systems, "--lengths", *map(str, args.lengths),
-            "--samples", str(args.samples), "--full-max", str(args.full_max)]
+        return ["--quick", *name]
+    return [*name, "--tasks", *args.tasks, "--systems", *args.systems, "--lengths", *map(str, args.lengths),
+            "--samples", str(args.samples), "--full-max", str(args.full_max), *(["--resume"] if args.resume else [])]
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ class ModelConfig(_Strict):
     allow_download: bool = Field(
         default=False, description="Allow transformers to fetch from the hub; off so nothing downloads by default."
     )
+    load_progress: bool = Field(
+        default=False,
+        description="Show transformers' progress bars while the weights load (GGUF de-quantisation, weight "
+        "loading); off because the embedded model loads in seconds and every command would draw two bars.",
+    )
 
 
 class WindowConfig(_Strict):

@@ -18,13 +18,15 @@ Pinned to transformers 5.2x; `tests/test_hf.py` holds the contract tests.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import sys
 import weakref
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 import torch
 from pydantic import BaseModel
@@ -100,8 +102,9 @@ def load_pretrained(cfg: ModelConfig) -> tuple[PreTrainedModel, Any, str]:
     if gguf is not None:
         extra["gguf_file"] = gguf
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=_DTYPES[cfg.dtype], **extra)
+        with contextlib.nullcontext() if cfg.load_progress else _without_progress_bars():
+            tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=_DTYPES[cfg.dtype], **extra)
     except (OSError, ValueError) as exc:
         hint = "" if cfg.allow_download else " (downloads are off: pass a local path, or allow_download=True)"
         raise ModelLoadError(f"cannot load model {source!r}: {exc}{hint}") from exc
@@ -109,6 +112,29 @@ def load_pretrained(cfg: ModelConfig) -> tuple[PreTrainedModel, Any, str]:
         model = model.to(torch.device(cfg.device))  # type: ignore[arg-type]  # transformers wraps .to
     model.eval()
     return model, tokenizer, model_id
+
+
+class _DropProgressBars(io.TextIOBase):
+    """A stderr that passes text lines (warnings) through and drops tqdm's carriage-return redraws."""
+
+    def __init__(self, target: TextIO):
+        self.target, self._in_bar = target, False
+
+    def write(self, text: str) -> int:
+        if "\r" in text:
+            self._in_bar = True  # tqdm redraws its line with a leading "\r"; its closing "\n" follows
+        elif not (self._in_bar and text == "\n"):
+            self._in_bar = False
+            self.target.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+
+def _without_progress_bars() -> contextlib.AbstractContextManager[Any]:
+    # The GGUF reader uses tqdm directly, not transformers' switchable one, so its bar is filtered out here.
+    return contextlib.redirect_stderr(_DropProgressBars(sys.stderr))
 
 
 def model_spec(model: PreTrainedModel, model_id: str) -> ModelSpec:

@@ -45,3 +45,16 @@ def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
     table = (tmp_path / "quick.md").read_text()
     assert all(f"| {system} |" in table for system in SYSTEMS)
     assert (tmp_path / "quick.png").stat().st_size > 10_000
+
+    # --resume runs only what the results lack: drop one run, and only that one comes back
+    path = tmp_path / "quick.json"
+    payload = json.loads(path.read_text())
+    dropped = next(r for r in payload["runs"] if r["task"] == "passkey" and r["system"] == "streaming")
+    payload["runs"].remove(dropped)
+    path.write_text(json.dumps(payload))
+    out = subprocess.run([sys.executable, "evaluate.py", "--quick", "--resume", "--out", str(tmp_path), "--name",
+                          "quick"], cwd=BENCHMARKS, check=True, capture_output=True, text=True, timeout=600).stdout
+    assert out.count("seed 0: score") == 1 and "passkey          streaming" in out
+    resumed = json.loads(path.read_text())
+    assert len(resumed["runs"]) == len(runs) and len(resumed["commands"]) == 2
+    assert {(r["task"], r["system"]) for r in resumed["runs"]} == {(r["task"], r["system"]) for r in runs}

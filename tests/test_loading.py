@@ -31,3 +31,26 @@ def test_missing_model_is_a_clear_error(tmp_path):
 
 def test_embedded_model_ships_in_the_wheel():
     assert (default_model_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf").stat().st_size > 50_000_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("progress", [False, True])
+def test_embedded_model_loads_without_progress_bars_unless_asked(capfd, progress):
+    from engramkv.config import ModelConfig
+    from engramkv.hf import load_pretrained
+
+    load_pretrained(ModelConfig(load_progress=progress))
+    err = capfd.readouterr().err
+    assert ("Loading weights" in err and "GGUF" in err) is progress, err[-500:]
+
+
+def test_progress_filter_passes_warnings_and_drops_bar_redraws():
+    import io
+
+    from engramkv.hf import _DropProgressBars
+
+    target = io.StringIO()
+    stream = _DropProgressBars(target)
+    for text in ["\r  0%|   | 0/9", "\r100%|###| 9/9", "\n", "UserWarning: something real\n", "\n"]:
+        stream.write(text)
+    assert target.getvalue() == "UserWarning: something real\n\n"

@@ -44,13 +44,14 @@ class Run:
     first_token_s: float  # from the question to the first new token
     decode_tokens_per_s: float
     peak_rss_mb: float
+    rss_before_mb: float  # the process's resident memory when the run began: peak - this is the run's own
 
 
 class RssSampler:
     """Peak resident memory of this process while a block runs (a thread reads /proc every 10 ms)."""
 
     def __enter__(self) -> RssSampler:
-        self.peak = self._now()
+        self.start = self.peak = self._now()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -149,7 +150,7 @@ def full_attention(models: Models, sample: Sample) -> Run:
     ids = models.tokenizer.encode("".join(sample.context) + qa_prompt(sample.question), add_special_tokens=False)
     with RssSampler() as rss:
         reply, first, decode = plain_generate(models, ids)
-    return Run(reply, len(ids), 0.0, first, decode, rss.peak)
+    return Run(reply, len(ids), 0.0, first, decode, rss.peak, rss.start)
 
 
 @system("rag")
@@ -170,7 +171,7 @@ def rag(models: Models, sample: Sample, chunk_tokens: int = 256, budget_tokens: 
         prompt_ids = tokenizer.encode(context + qa_prompt(sample.question), add_special_tokens=False)
         retrieval = time.perf_counter() - t0
         reply, first, decode = plain_generate(models, prompt_ids)
-    return Run(reply, len(ids), ingest, retrieval + first, decode, rss.peak)
+    return Run(reply, len(ids), ingest, retrieval + first, decode, rss.peak, rss.start)
 
 
 def _embed(models: Models, texts: list[str], batch: int = 32) -> np.ndarray:
@@ -206,7 +207,7 @@ def _engram_run(models: Models, sample: Sample, config: EngineConfig) -> Run:
     decode = (n_new - 1) / (total - first) if n_new > 1 and total > first else 0.0
     tokens = session.state.n_tokens
     session.close()
-    return Run(_cut_reply(reply), tokens, ingest, first, decode, rss.peak)
+    return Run(_cut_reply(reply), tokens, ingest, first, decode, rss.peak, rss.start)
 
 
 def _variant(recall: dict[str, Any] | None = None, segmentation: dict[str, Any] | None = None,
