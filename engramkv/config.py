@@ -168,6 +168,11 @@ class IndexConfig(_Strict):
     )
     ivf_lists_per_sqrt: float = Field(default=4.0, gt=0, description="IVF lists = this * sqrt(events) at rebuild.")
     ivf_nprobe: int = Field(default=32, ge=1, description="IVF lists scanned per search.")
+    device: Literal["auto", "cpu", "gpu"] = Field(
+        default="auto",
+        description="Where searches run: 'auto' mirrors the indexes onto GPU 0 when a GPU build of FAISS is "
+        "installed and sees a GPU, else CPU; 'gpu' fails if it cannot. The saved indexes are the CPU ones.",
+    )
 
 
 class StoreConfig(_Strict):

@@ -4,6 +4,7 @@ saved and caught up on load."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from engramkv.config import IndexConfig
@@ -109,3 +110,36 @@ def test_a_summary_of_other_layers_or_a_missing_one_is_rebuilt(tmp_path):
     computed.clear()
     LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, 12, lambda e: vectors[e], summary_of)
     assert computed == list(range(12))
+
+
+def test_index_device_gpu_without_a_gpu_build_is_a_clear_error_and_auto_stays_on_cpu():
+    import faiss
+
+    from engramkv.errors import ConfigError
+
+    if hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
+        pytest.skip("a GPU build of FAISS with a GPU is present")
+    with pytest.raises(ConfigError, match="GPU build of FAISS"):
+        LayerIndexes(LAYERS, DIM, IndexConfig(device="gpu"), SUMMARY_LAYERS)
+    assert not LayerIndexes(LAYERS, DIM, IndexConfig(device="auto"), SUMMARY_LAYERS).on_gpu
+
+
+def test_gpu_mirror_finds_what_the_cpu_index_finds():
+    import faiss
+
+    if not (hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0):
+        pytest.skip("needs a GPU build of FAISS and a GPU")
+    rng = np.random.default_rng(0)
+    cfg = {"ivf_min_events": 64}
+    cpu = LayerIndexes(LAYERS, DIM, IndexConfig(device="cpu", **cfg), SUMMARY_LAYERS)
+    gpu = LayerIndexes(LAYERS, DIM, IndexConfig(device="gpu", **cfg), SUMMARY_LAYERS)
+    assert gpu.on_gpu
+    for event_id in range(100):  # crosses the IVF rebuild at 64
+        reps = rng.standard_normal((LAYERS, DIM)).astype(np.float32)
+        summary = rng.standard_normal(DIM * len(SUMMARY_LAYERS)).astype(np.float32)
+        cpu.add(event_id, reps, summary)
+        gpu.add(event_id, reps, summary)
+    query = torch.from_numpy(rng.standard_normal(DIM).astype(np.float32))
+    assert gpu.kind == cpu.kind == "ivf"
+    assert gpu.search(1, query, 5)[0] == cpu.search(1, query, 5)[0]
+    assert gpu.search_summary(query, 5)[0] == cpu.search_summary(query, 5)[0]

@@ -9,6 +9,9 @@ lost) is rebuilt.
 
 Beside them, one index over the events' key summaries (`retrieval.key_match`): what questions are
 matched against. It is derived from the stored keys, so a store without it gets it rebuilt on open.
+
+With a GPU build of FAISS (`IndexConfig.device`), searches run on a GPU copy of each index that every
+add also updates; the CPU indexes stay the ones that are saved, rebuilt and caught up.
 """
 
 from __future__ import annotations
@@ -18,16 +21,26 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
 import torch
 
 from engramkv.config import IndexConfig
+from engramkv.errors import ConfigError
 
 
-def _gpu_available() -> bool:
-    return hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0
+def _gpu_resources(device: str) -> Any:
+    """FAISS GPU resources when searches should run on the GPU, else None."""
+    if device == "cpu":
+        return None
+    available = hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+    if not available:
+        if device == "gpu":
+            raise ConfigError("index.device='gpu' needs a GPU build of FAISS (e.g. faiss-gpu-cu12) and a GPU")
+        return None
+    return faiss.StandardGpuResources()  # only in GPU builds
 
 
 class LayerIndexes:
@@ -41,6 +54,9 @@ class LayerIndexes:
         self.summary: faiss.Index = _flat(self.summary_dim)
         self.kind: str = "flat"
         self.saved_events = 0  # events whose every index entry was read from disk by `load`
+        self._gpu = _gpu_resources(cfg.device)
+        self._mirrors: list[faiss.Index] = []  # GPU copies of [*indexes, summary], searched instead
+        self._mirror()
 
     def __len__(self) -> int:
         return int(self.indexes[0].ntotal)
@@ -51,19 +67,34 @@ class LayerIndexes:
         for layer, index in enumerate(self.indexes):
             index.add_with_ids(representatives[layer : layer + 1], ids)
         self.summary.add_with_ids(summary.reshape(1, -1), ids)
+        if self._mirrors:
+            for layer, mirror in enumerate(self._mirrors[:-1]):
+                mirror.add_with_ids(representatives[layer : layer + 1], ids)
+            self._mirrors[-1].add_with_ids(summary.reshape(1, -1), ids)
         if self.kind == "flat" and len(self) >= self.cfg.ivf_min_events:
             self._to_ivf()
 
+    @property
+    def on_gpu(self) -> bool:
+        return bool(self._mirrors)
+
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
-        return _search(self.indexes[layer], query, k)
+        return _search(self._mirrors[layer] if self._mirrors else self.indexes[layer], query, k)
 
     def search_summary(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
-        return _search(self.summary, summary, k)
+        return _search(self._mirrors[-1] if self._mirrors else self.summary, summary, k)
+
+    def _mirror(self) -> None:
+        """(Re)build the GPU copies from the CPU indexes (after load or the IVF rebuild)."""
+        if self._gpu is not None:
+            self._mirrors = [faiss.index_cpu_to_gpu(self._gpu, 0, index)
+                             for index in [*self.indexes, self.summary]]
 
     def _to_ivf(self) -> None:
         self.indexes = [self._ivf(index) for index in self.indexes]
         self.summary = self._ivf(self.summary)
         self.kind = "ivf"
+        self._mirror()
 
     def _ivf(self, flat: faiss.Index) -> faiss.Index:
         n, dim = int(flat.ntotal), int(flat.d)
@@ -139,6 +170,7 @@ class LayerIndexes:
                     if loaded.kind == "ivf":
                         for index in [*loaded.indexes, loaded.summary]:
                             faiss.extract_index_ivf(index).nprobe = cfg.ivf_nprobe
+                    loaded._mirror()
         for event_id in range(start, committed_events):  # catch up from the blobs
             loaded.add(event_id, representatives_of(event_id), summary_of(event_id))
         return loaded
