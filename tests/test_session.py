@@ -185,3 +185,16 @@ def test_a_qa_reply_ends_at_a_blank_line(monkeypatch):
     streamed = list(session.chat("who?", stream=True))
     assert "".join(streamed) == "\n\n Marjatta."  # leading blank lines are not the end of a reply
     assert all("\n\n" not in p for p in streamed[1:])
+
+
+def test_a_blank_line_after_a_colon_does_not_end_a_qa_reply(monkeypatch):
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    pieces = {1: " The numbers are", 2: ":\n", 3: "\n1. 42", 4: "\n2. 7\n", 5: "\nQuestion", 6: " more"}
+    monkeypatch.setattr(lm.tokenizer, "decode", lambda ids, skip_special_tokens=False: "".join(pieces[i] for i in ids))
+
+    def fake_generate(prompt_ids, max_new_tokens, stop_ids, preamble_ids=(), question_span=None):
+        yield from [1, 2, 3, 4, 5, 6]
+
+    monkeypatch.setattr(session, "_generate", fake_generate)
+    assert session.chat("which numbers?") == " The numbers are:\n\n1. 42\n2. 7"

@@ -10,8 +10,8 @@
   engram        engramkv as shipped: surprise + refinement + contiguity (neighbours and buffer)
 
 Every system answers `"\\n\\nQuestion: {question}\\nAnswer:"` after the context (engramkv's `chat`
-renders its turns that way); the reply is cut at the first blank line after some text, and at most
-32 tokens are generated.
+renders its turns that way); the reply is cut at the first blank line after some text (not after a
+colon, which announces a list), and at most 64 tokens are generated.
 Each run reports ingest tokens/s, time to first token after ingest, decode tokens/s and peak RSS.
 """
 
@@ -33,7 +33,7 @@ from engramkv import EngineConfig, EpisodicLM
 from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig
 from evalkit.tasks import Sample
 
-MAX_NEW_TOKENS = 32
+MAX_NEW_TOKENS = 64  # a UUID is ~30 tokens, four 7-digit numbers as a list ~45
 
 
 @dataclass
@@ -82,8 +82,11 @@ def qa_prompt(question: str) -> str:
 
 
 def _cut_reply(text: str) -> str:
+    """`chat`'s stop rule for the plain-transformers systems: the first blank line not after a colon."""
     body = text.lstrip()
     cut = body.find("\n\n")
+    while cut >= 0 and body[:cut].rstrip().endswith(":"):
+        cut = body.find("\n\n", cut + 2)
     return body if cut < 0 else body[:cut]
 
 

@@ -355,7 +355,7 @@ class Session:
         stop_text: str | None = None, question_span: tuple[int, int] | None = None,
     ) -> Iterator[str]:
         """Decoded pieces of the continuation; with `stop_text`, it ends where that text first follows
-        some non-blank output (the stop text itself is not yielded)."""
+        some non-blank output that does not end in a colon (the stop text itself is not yielded)."""
         tokenizer = self.lm.tokenizer
         generated: list[int] = []
         emitted = ""
@@ -369,6 +369,8 @@ class Session:
                 if stop_text is not None:
                     begun = len(text) - len(text.lstrip())
                     cut = text.find(stop_text, begun) if begun < len(text) else -1
+                    while cut >= 0 and text[:cut].rstrip().endswith(":"):  # "...are:" + blank line: a list follows
+                        cut = text.find(stop_text, cut + len(stop_text))
                     if cut >= 0:
                         if cut > len(emitted):
                             yield text[len(emitted) : cut]
