@@ -119,7 +119,8 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
     lines += ["## Speed and memory (means over all runs of a system at each length)", "",
               "Added RSS: the process's peak during the run minus its resident memory when the run began (the "
               "process holds the model twice, the embedding model and the harness, so its total says little).", "",
-              "| system | length | ingest tok/s | first token s | decode tok/s | added RSS MB |", "|---|---|---|---|---|---|"]
+              "| system | length | ingest tok/s | first token s | decode tok/s | added RSS MB |",
+              "|---|---|---|---|---|---|"]
     for system in systems:
         for n in lengths:
             mine = [r for r in runs if r["system"] == system and r["length"] == n]

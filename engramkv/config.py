@@ -153,7 +153,8 @@ class GenerationConfig(_Strict):
     chat_format: Literal["qa", "template"] = Field(
         default="qa",
         description=(
-            "How `chat` renders a turn. 'qa': 'Question: ...\nAnswer:', the reply ending at a blank line (not one after a colon). "
+            "How `chat` renders a turn. 'qa': 'Question: ...\nAnswer:', the reply ending at a blank line "
+            "(not one after a colon). "
             "'template': the model's chat template. Measured on the embedded 135M model: under its template "
             "it answers from its own weights and ignores recalled events that it uses in the 'qa' form."
         ),
