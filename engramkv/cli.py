@@ -58,25 +58,28 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                 print(f"resuming {path} at byte {last.bytes_done:,} of {last.size_bytes:,} "
                       f"({last.token_end - last.token_start:,} tokens already stored)", file=sys.stderr)
             size = Path(path).stat().st_size if Path(path).is_file() else 0
-            bar = tqdm(total=size, unit="B", unit_scale=True, desc=Path(path).name, disable=args.json,
-                       dynamic_ncols=True)
+            bars: list[Any] = []  # drawn at the first progress report: a file already stored draws none
             started, first_tokens = time.perf_counter(), session.tokens_ingested
 
-            def progress(tokens: int, events: int, bar: Any = bar, started: float = started,
-                         first_tokens: int = first_tokens) -> None:
+            def progress(tokens: int, events: int, bars: list[Any] = bars, size: int = size, name: str = path,
+                         started: float = started, first_tokens: int = first_tokens) -> None:
+                if not bars:
+                    bars.append(tqdm(total=size, unit="B", unit_scale=True, desc=Path(name).name, disable=args.json,
+                                     dynamic_ncols=True))
                 position = session.ingest_progress()
                 if position is not None:
-                    bar.n = position[0]
+                    bars[0].n = position[0]
                 rate = (tokens - first_tokens) / max(time.perf_counter() - started, 1e-9)
-                bar.set_postfix_str(f"{tokens:,} tokens, {rate:,.0f} tok/s, {events:,} events", refresh=True)
+                bars[0].set_postfix_str(f"{tokens:,} tokens, {rate:,.0f} tok/s, {events:,} events", refresh=True)
 
             try:
                 report = session.ingest_file(path, progress=progress)
             finally:
                 position = session.ingest_progress()
-                if position is not None:
-                    bar.n = position[0]
-                bar.close()
+                for bar in bars:
+                    if position is not None:
+                        bar.n = position[0]
+                    bar.close()
             results.append({"path": path, **report.model_dump()})
             if not args.json:
                 if report.already_ingested:

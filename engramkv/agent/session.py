@@ -178,6 +178,8 @@ class Session:
             with self._deferred_interrupt():
                 doc.bytes_done = resumed_from
                 self._fed = [0, 0]
+                if progress is not None:  # once before the first chunk, which takes seconds on a real model
+                    progress(self.state.n_tokens, self.state.events_sealed)
                 for ids, n_bytes in self._tokenize_stream(text for text, _ in read_text(checked.path, resumed_from)):
                     doc.bytes_done += n_bytes
                     self._fed[0] += n_bytes
