@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 
 from engramkv.config import IndexConfig
 from engramkv.errors import ConfigError
+from engramkv.storage.durable import replace_durably
 
 
 def _gpu_resources(device: str) -> Any:
@@ -116,16 +116,10 @@ class LayerIndexes:
         directory.mkdir(parents=True, exist_ok=True)
         named = [(f"layer-{layer:03d}.faiss", index) for layer, index in enumerate(self.indexes)]
         for name, index in [*named, ("summary.faiss", self.summary)]:
-            tmp = directory / f"{name}.tmp"
-            faiss.write_index(index, str(tmp))
-            _fsync_file(tmp)
-            os.replace(tmp, directory / name)
-        manifest = directory / "manifest.json"
-        tmp = manifest.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"events": len(self), "kind": self.kind, "layers": self.num_layers,
-                                   "summary_layers": self.summary_layers}))
-        _fsync_file(tmp)
-        os.replace(tmp, manifest)
+            replace_durably(directory / name, faiss.serialize_index(index).tobytes())
+        replace_durably(directory / "manifest.json", json.dumps({
+            "events": len(self), "kind": self.kind, "layers": self.num_layers, "summary_layers": self.summary_layers,
+        }).encode())
 
     @classmethod
     def load(
@@ -188,11 +182,3 @@ def _search(index: faiss.Index, query: torch.Tensor, k: int) -> tuple[list[int],
     scores, ids = index.search(q, min(k, n))
     keep = ids[0] >= 0  # IVF can return fewer than k hits (-1 padding)
     return ids[0][keep].tolist(), scores[0][keep].tolist()
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from engramkv.storage.durable import fsync_dir
+
 MAGIC = b"EKVSEG01"
 FORMAT_VERSION = 1
 _FILE_HEADER = struct.Struct("<8sI4x")  # magic, version, 4 reserved bytes
@@ -65,14 +67,6 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:  # os.write may write less than asked
         view = view[os.write(fd, view) :]
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SegmentLog:
@@ -121,7 +115,7 @@ class SegmentLog:
             os.fsync(self._fd)
             self._dirty = False
         if self._dir_dirty:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self._dir_dirty = False
 
     def read(self, ref: BlobRef, verify: bool = False) -> memoryview:
@@ -195,7 +189,7 @@ class SegmentLog:
                     os.fsync(f.fileno())
             removed += size - (keep or 0)
         if self._dir_dirty:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self._dir_dirty = False
         return removed
 
@@ -230,7 +224,7 @@ class SegmentLog:
         self._close_maps()  # unlinking a mapped file is safe on POSIX: views still held stay readable
         for n in self._numbers():
             self._path(n).unlink()
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._dir_dirty = False
 
     def close(self) -> None:

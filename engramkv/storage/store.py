@@ -55,6 +55,7 @@ from engramkv.memory.events import Event
 from engramkv.retrieval import key_match
 from engramkv.storage import catalog as cat
 from engramkv.storage.codec import Codec, decode_layer, encode_layers, layer_nbytes
+from engramkv.storage.durable import replace_durably
 from engramkv.storage.index import LayerIndexes
 from engramkv.storage.segments import BlobRef, SegmentError, SegmentLog
 from engramkv.storage.tiers import LRUBytes
@@ -588,31 +589,16 @@ class NamespaceMemory:
 
 
 def _write_durably(path: Path, payload: dict[str, Any]) -> int:
-    """torch.save `payload` durably over `path` (see _replace_durably); returns the crc32 of the bytes."""
+    """torch.save `payload` durably over `path` (see durable.replace_durably); returns the crc32 of the bytes."""
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
-    _replace_durably(path, data)
+    replace_durably(path, data)
     return zlib.crc32(data)
 
 
 def _write_text_durably(path: Path, text: str) -> None:
-    _replace_durably(path, text.encode())
-
-
-def _replace_durably(path: Path, data: bytes) -> None:
-    """Write to a temp file, fsync, rename over `path`, fsync the directory: all or nothing after a crash."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_durably(path, text.encode())
 
 
 def _dir_bytes(path: Path) -> int:
