@@ -132,6 +132,21 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
                 f"{_mean([r['decode_tokens_per_s'] for r in mine]):.1f} | "
                 f"{max(r['peak_rss_mb'] - r.get('rss_before_mb', 0.0) for r in mine):,.0f} |"
             )
+    recalling = [s for s in systems if any(r.get("answers_in_recalled") is not None for r in runs if r["system"] == s)]
+    if recalling:
+        lines += ["", "## Recall or reading (engramkv systems, all tasks)", "",
+                  "Share of the expected answers present in the events the answer attended to, beside the score: "
+                  "where the first is high and the second low, the events were found but the model did not read "
+                  "the answer from them. An answer still in the local window needs no recall (the window rule "
+                  "recalls nothing then).", "",
+                  "| system | length | score | answers in recalled events |", "|---|---|---|---|"]
+        for system in recalling:
+            for n in lengths:
+                mine = [r for r in runs if r["system"] == system and r["length"] == n
+                        and r.get("answers_in_recalled") is not None]
+                if mine:
+                    lines.append(f"| {system} | {n:,} | {_mean([r['score'] for r in mine]):.2f} | "
+                                 f"{_mean([r['answers_in_recalled'] for r in mine]):.2f} |")
     payload = {"runs": runs, "commands": commands, "model": model_id, "machine": machine()}
     write_results(args.name, payload, "\n".join(lines) + "\n", directory=args.out)
     if plot:

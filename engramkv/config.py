@@ -129,6 +129,11 @@ class RecallConfig(_Strict):
         description="Best-matching events an answer attends to; their temporal neighbours fill the rest of "
         "answer_budget_tokens.",
     )
+    match_neighbours: int = Field(
+        default=1, ge=0,
+        description="Events on each side of a candidate that its re-ranking score also looks at: surprise cuts a "
+        "sentence where it turns informative (measured: RULER multi-key needles split before the key).",
+    )
     rerank_candidates: int = Field(
         default=32, ge=1,
         description="Events by key summary that the token-level re-ranking looks at.",

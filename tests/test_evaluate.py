@@ -21,7 +21,8 @@ def test_every_task_makes_a_sample_of_about_its_length_with_its_answers_in_it(de
     for name, make in TASKS.items():
         sample = make(tokenizer, length, 3)
         text = "".join(sample.context)
-        n = len(tokenizer.encode(text + sample.question, add_special_tokens=False))
+        n = len(tokenizer.encode(text + sample.prompt, add_special_tokens=False))
+        assert sample.question in sample.prompt and text == text.rstrip(), name  # no lone trailing space token
         assert 0.85 * length <= n <= 1.1 * length, (name, n)
         assert sample.answers and all(answer in text for answer in sample.answers), name
         assert sample.score(" and ".join(sample.answers)) == 1.0 and sample.score("no idea") == 0.0

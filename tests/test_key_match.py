@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from engramkv import EngineConfig
 from engramkv.config import RecallConfig, SegmentationConfig, WindowConfig
+from engramkv.errors import InputError
 from engramkv.memory.events import Event, InMemoryEventMemory
 from engramkv.retrieval.key_match import answer_events, key_summary, match_question, rerank, summary_layer_ids
 
@@ -183,4 +184,18 @@ def test_a_question_answered_by_the_window_recalls_nothing(monkeypatch):
     monkeypatch.setattr(session.state, "step", step)
     session.chat(" ".join(map(str, planted)), max_new_tokens=3)
     assert seen and all(ids == [] for ids in seen)  # memory would only crowd the window
+    assert session.last_recalled == []
+
+
+def test_generate_with_a_question_matches_it_like_chat(monkeypatch):
+    session, planted, at = _planted_session()
+    question = " ".join(map(str, planted))
+    session.generate(f"9 9 {question} 7", max_new_tokens=2, question=question)
+    hits = [r.event_id for r in session.last_recalled]
+    assert len(hits) == 2
+    top = session.memory.event(hits[0])
+    assert top.start < at + len(planted) and top.end > at  # the question's span was matched, not "9 9" or "7"
+    with pytest.raises(InputError, match="part of prompt"):
+        session.generate("1 2 3", question="4 5")
+    session.generate("1 2 3", max_new_tokens=1)  # no question: per-layer recall, nothing reported
     assert session.last_recalled == []

@@ -1,6 +1,6 @@
-"""The systems a user would pick instead, all on the same model and the same question framing.
+"""The systems a user would pick instead, all on the same model and the same prompts.
 
-  full          plain transformers, full attention over context + question (up to --full-max tokens)
+  full          plain transformers, full attention over context + prompt (up to --full-max tokens)
   streaming     StreamingLLM: attention sinks + a sliding window, nothing recalled (engramkv, recall off)
   rag           chunks of 256 tokens embedded with all-MiniLM-L6-v2, FAISS top-k (about 1k tokens) put
                 before the question in document order, plain transformers
@@ -9,9 +9,11 @@
   engram-refined   engramkv, surprise + graph refinement (no contiguity)
   engram        engramkv as shipped: surprise + refinement + contiguity (neighbours and buffer)
 
-Every system answers `"\\n\\nQuestion: {question}\\nAnswer:"` after the context (engramkv's `chat`
-renders its turns that way); the reply is cut at the first blank line after some text (not after a
-colon, which announces a list), and at most 64 tokens are generated.
+Every system reads the same token ids: the context pieces and the sample's prompt (its question,
+then the answer begun, in the benchmark's words), each encoded on its own as a streaming reader
+must; engramkv systems match the prompt's question against memory (`Session.generate(question=)`).
+The reply is cut at the first blank line after some text (not after a colon, which announces a
+list), and at most 64 tokens are generated.
 Each run reports ingest tokens/s, time to first token after ingest, decode tokens/s and peak RSS.
 """
 
@@ -45,6 +47,10 @@ class Run:
     decode_tokens_per_s: float
     peak_rss_mb: float
     rss_before_mb: float  # the process's resident memory when the run began: peak - this is the run's own
+    # engramkv systems: the events the answer attended to (best first) and the share of the expected
+    # answers their text holds, which tells a recall miss from a reading miss; None for the others
+    recalled: list[str] | None = None
+    answers_in_recalled: float | None = None
 
 
 class RssSampler:
@@ -77,8 +83,15 @@ class RssSampler:
         return float("nan")
 
 
-def qa_prompt(question: str) -> str:
-    return f"\n\nQuestion: {question}\nAnswer:"
+def context_ids(tokenizer: Any, sample: Sample) -> list[int]:
+    return [t for piece in sample.context for t in tokenizer.encode(piece, add_special_tokens=False)]
+
+
+def prompt_ids(tokenizer: Any, sample: Sample) -> list[int]:
+    """The prompt encoded as `Session.generate(prompt, question=...)` encodes it: before, question, after."""
+    at = sample.prompt.rfind(sample.question)
+    parts = [sample.prompt[:at], sample.question, sample.prompt[at + len(sample.question) :]]
+    return [t for part in parts for t in tokenizer.encode(part, add_special_tokens=False)]
 
 
 def _cut_reply(text: str) -> str:
@@ -150,10 +163,10 @@ def system(name: str) -> Callable[[SystemFn], SystemFn]:
 
 @system("full")
 def full_attention(models: Models, sample: Sample) -> Run:
-    ids = models.tokenizer.encode("".join(sample.context) + qa_prompt(sample.question), add_special_tokens=False)
+    context = context_ids(models.tokenizer, sample)
     with RssSampler() as rss:
-        reply, first, decode = plain_generate(models, ids)
-    return Run(reply, len(ids), 0.0, first, decode, rss.peak, rss.start)
+        reply, first, decode = plain_generate(models, context + prompt_ids(models.tokenizer, sample))
+    return Run(reply, len(context), 0.0, first, decode, rss.peak, rss.start)
 
 
 @system("rag")
@@ -161,7 +174,7 @@ def rag(models: Models, sample: Sample, chunk_tokens: int = 256, budget_tokens: 
     tokenizer = models.tokenizer
     with RssSampler() as rss:
         started = time.perf_counter()
-        ids = tokenizer.encode("".join(sample.context), add_special_tokens=False)
+        ids = context_ids(tokenizer, sample)
         chunks = [tokenizer.decode(ids[i : i + chunk_tokens]) for i in range(0, len(ids), chunk_tokens)]
         vectors = _embed(models, chunks)  # (n, 384) unit rows
         index = faiss.IndexFlatIP(vectors.shape[1])
@@ -171,9 +184,9 @@ def rag(models: Models, sample: Sample, chunk_tokens: int = 256, budget_tokens: 
         k = min(len(chunks), max(1, budget_tokens // chunk_tokens))
         _, found = index.search(_embed(models, [sample.question]), k)
         context = "\n\n".join(chunks[i] for i in sorted(found[0].tolist()))
-        prompt_ids = tokenizer.encode(context + qa_prompt(sample.question), add_special_tokens=False)
+        ids_in = tokenizer.encode(context, add_special_tokens=False) + prompt_ids(tokenizer, sample)
         retrieval = time.perf_counter() - t0
-        reply, first, decode = plain_generate(models, prompt_ids)
+        reply, first, decode = plain_generate(models, ids_in)
     return Run(reply, len(ids), ingest, retrieval + first, decode, rss.peak, rss.start)
 
 
@@ -198,19 +211,26 @@ def _engram_run(models: Models, sample: Sample, config: EngineConfig) -> Run:
             session.ingest(piece)
         ingest = time.perf_counter() - started
         t0 = time.perf_counter()
-        stream = session.chat(sample.question, stream=True, max_new_tokens=MAX_NEW_TOKENS)
+        stream = session.generate(sample.prompt, MAX_NEW_TOKENS, question=sample.question, stream=True)
         pieces, first = [], 0.0
         for piece in stream:
             if not pieces:
                 first = time.perf_counter() - t0
             pieces.append(piece)
+            text = "".join(pieces)
+            if _cut_reply(text) != text.lstrip():  # the reply is complete: stop decoding
+                break
+        stream.close()
         total = time.perf_counter() - t0
     reply = "".join(pieces)
     n_new = len(models.tokenizer.encode(reply, add_special_tokens=False))
     decode = (n_new - 1) / (total - first) if n_new > 1 and total > first else 0.0
     tokens = session.state.n_tokens
+    recalled = session.last_recalled
+    found = sum(any(a in r.text for r in recalled) for a in sample.answers) / len(sample.answers)
     session.close()
-    return Run(_cut_reply(reply), tokens, ingest, first, decode, rss.peak, rss.start)
+    return Run(_cut_reply(reply), tokens, ingest, first, decode, rss.peak, rss.start,
+               [f"#{r.event_id} {r.score:+.3f} {r.text[:100]!r}" for r in recalled], found)
 
 
 def _variant(recall: dict[str, Any] | None = None, segmentation: dict[str, Any] | None = None,

@@ -9,8 +9,10 @@
   conversation  facts stated in the early turns of a long chat, asked for at the end
 
 The haystack is natural English: Python's language reference (`pydoc_data.topics`, shipped with
-CPython), sections in a seeded random order, cut to length. A sample is scored by the share of its
-expected answers that appear in the reply.
+CPython), sections in a seeded random order, cut to length. Each sample ends with its benchmark's
+prompt (InfiniteBench's and RULER's templates: the question, then the answer begun for the model;
+the conversation asks as a next user turn). A sample is scored by the share of its expected answers
+that appear in the reply.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class Sample:
     length: int
     seed: int
     context: list[str]  # pieces read in order (one document, or one piece per chat turn)
-    question: str  # the user's question, plain: systems frame it themselves
+    prompt: str  # what follows the context, in the benchmark's own words; the reply continues it
+    question: str  # the part of `prompt` that asks (what engramkv matches against memory)
     answers: list[str]  # every one should appear in the reply
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -68,8 +71,10 @@ def passkey(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
     per_filler = _count(tokenizer, FILLER * 20) / 20
     n = max(1, int((length - _count(tokenizer, intro + needle) - 16) / per_filler))
     before = int(n * rng.uniform(0.1, 0.9))
-    context = intro + FILLER * before + needle + FILLER * (n - before)
-    return Sample("passkey", length, seed, [context], "What is the pass key?", [key], {"depth": before / n})
+    context = (intro + FILLER * before + needle + FILLER * (n - before)).rstrip()
+    question = "What is the pass key?"
+    return Sample("passkey", length, seed, [context], f"\n\n{question} The pass key is", question, [key],
+                  {"depth": before / n})
 
 
 # ---------------------------------------------------------------------------------------------- kv
@@ -85,7 +90,9 @@ def kv_retrieval(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
     keys = list(pairs)
     asked = keys[int(len(keys) * rng.uniform(0.1, 0.9))]
     context = "Extract the value corresponding to the specified key in the JSON object below.\n\n" + json.dumps(pairs)
-    return Sample("kv", length, seed, [context], f'What is the value of key "{asked}"?', [pairs[asked]])
+    question = f'Key: "{asked}"'
+    return Sample("kv", length, seed, [context], f"\n\n{question}\nThe value associated with the specified key is:",
+                  question, [pairs[asked]])
 
 
 # ---------------------------------------------------------------------------------------------- RULER NIAH
@@ -119,16 +126,23 @@ def _number(rng: random.Random) -> str:
 
 
 def _niah(tokenizer: Tokenizer, length: int, seed: int, name: str, needles: list[tuple[str, str]],
-          question: str, answers: list[str]) -> Sample:
+          question: str, answer_start: str, answers: list[str]) -> Sample:
+    """RULER's template: needles "One of the special magic numbers for KEY is: VALUE.", the question
+    ending in "mentioned in the provided text?", the answer begun for the model."""
     rng = random.Random(seed + 1)
     sentences = [f"One of the special magic numbers for {key} is: {value}." for key, value in needles]
-    budget = length - sum(_count(tokenizer, s) for s in sentences) - 40
+    budget = length - sum(_count(tokenizer, s) for s in sentences) - 90  # intro + the prompt
     paragraphs = haystack(tokenizer, budget, rng)
     depths = sorted(rng.uniform(0.1, 0.9) for _ in sentences)
     for sentence, depth in zip(reversed(sentences), reversed(depths)):
         paragraphs.insert(int(depth * len(paragraphs)), sentence)
     intro = "Some special magic numbers are hidden within the following text. Make sure to memorize them.\n\n"
-    return Sample(name, length, seed, [intro + "\n\n".join(paragraphs)], question, answers, {"depths": depths})
+    question += " mentioned in the provided text?"
+    prompt = f"\n\n{question} {answer_start} mentioned in the provided text are"
+    if name in ("niah-single", "niah-multikey"):
+        prompt = prompt.removesuffix(" are") + " is"
+    return Sample(name, length, seed, [intro + "\n\n".join(paragraphs)], prompt, question, answers,
+                  {"depths": depths})
 
 
 @task("niah-single")
@@ -136,7 +150,7 @@ def niah_single(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
     rng = random.Random(seed)
     key, value = _key(rng), _number(rng)
     return _niah(tokenizer, length, seed, "niah-single", [(key, value)],
-                 f"What is the special magic number for {key}?", [value])
+                 f"What is the special magic number for {key}", f"The special magic number for {key}", [value])
 
 
 def _distinct_keys(rng: random.Random, n: int) -> list[str]:
@@ -153,7 +167,7 @@ def niah_multikey(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
     needles = [(key, _number(rng)) for key in _distinct_keys(rng, 4)]
     key, value = needles[rng.randrange(4)]
     return _niah(tokenizer, length, seed, "niah-multikey", needles,
-                 f"What is the special magic number for {key}?", [value])
+                 f"What is the special magic number for {key}", f"The special magic number for {key}", [value])
 
 
 @task("niah-multivalue")
@@ -162,7 +176,7 @@ def niah_multivalue(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
     key = _key(rng)
     values = [_number(rng) for _ in range(4)]
     return _niah(tokenizer, length, seed, "niah-multivalue", [(key, v) for v in values],
-                 f"What are all the special magic numbers for {key}?", values)
+                 f"What are all the special magic numbers for {key}", f"The special magic numbers for {key}", values)
 
 
 @task("niah-multiquery")
@@ -171,7 +185,8 @@ def niah_multiquery(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
     needles = [(key, _number(rng)) for key in _distinct_keys(rng, 4)]
     (k1, v1), (k2, v2) = rng.sample(needles, 2)
     return _niah(tokenizer, length, seed, "niah-multiquery", needles,
-                 f"What are the special magic numbers for {k1} and {k2}?", [v1, v2])
+                 f"What are all the special magic numbers for {k1} and {k2}",
+                 f"The special magic numbers for {k1} and {k2}", [v1, v2])
 
 
 # ---------------------------------------------------------------------------------------------- conversation
@@ -200,4 +215,5 @@ def conversation(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
         turns.append(turn)
     asked = rng.choice([("In which city does my sister live?", city), ("What is the name of my pet?", pet_name),
                         ("What is my sister called?", sister)])
-    return Sample("conversation", length, seed, turns, asked[0], [asked[1]])
+    turns[-1] = turns[-1].rstrip()
+    return Sample("conversation", length, seed, turns, f"\n\nUser: {asked[0]}\nAssistant:", asked[0], [asked[1]])

@@ -20,7 +20,7 @@ from engramkv.agent.results import IngestReport, RecalledEvent, SessionStats
 from engramkv.config import EngineConfig
 from engramkv.errors import ConfigError, EmptyInputError, InputError, ReadOnlyError, SessionError
 from engramkv.memory.events import EventMemory, InMemoryEventMemory
-from engramkv.retrieval.key_match import answer_events, match_question, token_match
+from engramkv.retrieval.key_match import answer_events, match_question, match_span, token_match
 from engramkv.storage.store import DocumentProgress, NamespaceMemory
 
 if TYPE_CHECKING:
@@ -297,9 +297,28 @@ class Session:
             yield tokenizer.encode(carry, add_special_tokens=False), len(carry.encode("utf-8"))
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt: str, max_new_tokens: int | None = None) -> str:
-        """Raw continuation of everything ingested, then `prompt`."""
-        return "".join(self._generate_text(self._encode(prompt), max_new_tokens, stop_ids=self._stop_ids()))
+    def generate(
+        self, prompt: str, max_new_tokens: int | None = None, question: str | None = None, stream: bool = False
+    ) -> Any:
+        """Raw continuation of everything ingested, then `prompt`; the text, or an iterator of pieces if `stream`.
+
+        `question`: the part of `prompt` that asks (its last occurrence), matched against memory the
+        way `chat` matches a message (`recall.question_match`); e.g. `prompt="\n\nWhat is the pass
+        key? The pass key is"`, `question="What is the pass key?"`. Without it, every layer recalls by
+        its own queries.
+        """
+        if question is None:
+            pieces = self._generate_text(self._encode(prompt), max_new_tokens, stop_ids=self._stop_ids())
+        else:
+            at = prompt.rfind(question) if question.strip() else -1
+            if at < 0:
+                raise InputError("question must be a non-blank part of prompt")
+            # Encoded in three parts so that the question's own tokens are known (as in chat).
+            before_ids, question_ids = self._encode(prompt[:at]), self._encode(question)
+            ids = before_ids + question_ids + self._encode(prompt[at + len(question) :])
+            span = (len(before_ids), len(before_ids) + len(question_ids))
+            pieces = self._generate_text(ids, max_new_tokens, stop_ids=self._stop_ids(), question_span=span)
+        return pieces if stream else "".join(pieces)
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> list[int]:
         """Greedy/temperature continuation on token ids; returns the new ids (stops at EOS)."""
@@ -503,13 +522,15 @@ class Session:
         candidates = self.cfg.recall.rerank_candidates
         # Also re-rank what the layers' query recall chose: a summary search alone can be crowded out.
         voted = [event_id for event_id, _ in _by_votes(probe.recalled)[:candidates]]
-        matches = match_question(self.memory, question_keys, layers, k, candidates, also=voted)
+        neighbours = self.cfg.recall.match_neighbours
+        matches = match_question(self.memory, question_keys, layers, k, candidates, also=voted, neighbours=neighbours)
         window = float("-inf")
         if against_window and question_keys.shape[2] > 0:
             resident = [torch.cat([self.state.layers[layer].sink_k, self.state.layers[layer].local_k], dim=1)
                         for layer in layers]  # (Hkv, R, D) each
             if resident[0].shape[1] > 0 and matches:
-                span_tokens = max(1, round(sum(self.memory.event(e).length for e, _ in matches) / len(matches)))
+                span_tokens = max(1, round(sum(self.memory.event(m).length for e, _ in matches
+                                                   for m in match_span(self.memory, e, neighbours)) / len(matches)))
                 owner = torch.arange(resident[0].shape[1]) // span_tokens  # (R,)
                 window = float(token_match(resident, owner, int(owner[-1]) + 1, question_keys).max())
         return matches, window
