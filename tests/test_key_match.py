@@ -199,3 +199,19 @@ def test_generate_with_a_question_matches_it_like_chat(monkeypatch):
         session.generate("1 2 3", question="4 5")
     session.generate("1 2 3", max_new_tokens=1)  # no question: per-layer recall, nothing reported
     assert session.last_recalled == []
+
+
+def test_a_sentence_cut_in_two_by_a_boundary_beats_a_whole_sentence_about_something_else():
+    g = torch.Generator().manual_seed(3)
+    lead_in = torch.randn(HEADS, 4, DIM, generator=g)  # "One of the magic numbers for"
+    key = torch.randn(HEADS, 2, DIM, generator=g)  # "nimbus-brisk"
+    other_key = key + 0.9 * torch.randn(HEADS, 2, DIM, generator=g)  # "pebble-meadow": a little alike
+    filler = [torch.randn(HEADS, 6, DIM, generator=g) for _ in range(12)]
+    events = [*filler[:3], lead_in, key, *filler[3:7], torch.cat([lead_in, other_key], dim=1), *filler[7:]]
+    memory = _memory(events)  # the asked sentence is events 3 + 4; the other one is event 9, whole
+    question = torch.cat([lead_in, key], dim=1)[None].expand(LAYERS, -1, -1, -1)  # (S, Hkv, C, D)
+    alone = match_question(memory, question, list(range(LAYERS)), k=2, candidates=16, neighbours=0)
+    assert alone[0][0] == 9  # scored event by event, the whole wrong sentence wins
+    together = match_question(memory, question, list(range(LAYERS)), k=2, candidates=16, neighbours=1)
+    assert together[0][0] in (3, 4) and together[0][1] == pytest.approx(1.0, abs=1e-4)
+    assert abs(together[1][0] - together[0][0]) > 1  # the second hit is another stretch, not a neighbour

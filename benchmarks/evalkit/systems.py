@@ -33,6 +33,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from engramkv import EngineConfig, EpisodicLM
 from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig
+from engramkv.retrieval.key_match import match_span
 from evalkit.tasks import Sample
 
 MAX_NEW_TOKENS = 64  # a UUID is ~30 tokens, four 7-digit numbers as a list ~45
@@ -227,7 +228,10 @@ def _engram_run(models: Models, sample: Sample, config: EngineConfig) -> Run:
     decode = (n_new - 1) / (total - first) if n_new > 1 and total > first else 0.0
     tokens = session.state.n_tokens
     recalled = session.last_recalled
-    found = sum(any(a in r.text for r in recalled) for a in sample.answers) / len(sample.answers)
+    neighbours = session.cfg.recall.match_neighbours  # a hit stands for its span: the answer may be cut at a boundary
+    spans = [models.tokenizer.decode([t for e in match_span(session.memory, r.event_id, neighbours)
+                                      for t in session.memory.tokens(e)]) for r in recalled]
+    found = sum(any(a in text for text in spans) for a in sample.answers) / len(sample.answers)
     session.close()
     return Run(_cut_reply(reply), tokens, ingest, first, decode, rss.peak, rss.start,
                [f"#{r.event_id} {r.score:+.3f} {r.text[:100]!r}" for r in recalled], found)
