@@ -27,6 +27,7 @@ FORMAT_VERSION = 1
 _FILE_HEADER = struct.Struct("<8sI4x")  # magic, version, 4 reserved bytes
 _RECORD = struct.Struct("<QI")  # payload length, crc32 of payload
 HEADER_SIZE = _FILE_HEADER.size
+_FAULT_AROUND = 64 * 1024  # bytes the kernel may map around a faulting page (a multiple of the page size)
 _HEADER_BYTES = _FILE_HEADER.pack(MAGIC, FORMAT_VERSION)
 _NAME = re.compile(r"^(\d{6,})\.seg$")
 
@@ -148,8 +149,11 @@ class SegmentLog:
             view.release()
         mm = self._maps[ref.segment]
         if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED") and ref.length > 0:
-            start = ref.offset - ref.offset % mmap.PAGESIZE
-            mm.madvise(mmap.MADV_DONTNEED, start, ref.offset + ref.length - start)
+            # A fault maps the pages around it too (Linux "fault-around", 64 KiB by default): dropping only
+            # the blob's own pages left about half of a store of small blobs resident (measured).
+            start = max(0, ref.offset - _FAULT_AROUND) // _FAULT_AROUND * _FAULT_AROUND
+            end = min(len(mm), (ref.offset + ref.length) // _FAULT_AROUND * _FAULT_AROUND + 2 * _FAULT_AROUND)
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
         return data
 
     def verify(self, ref: BlobRef) -> bool:
