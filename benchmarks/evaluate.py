@@ -61,6 +61,19 @@ def main() -> None:
     models = Models(model, tokenizer, model_id)
     runs, commands = previous_runs(args, model_id) if args.resume else ([], [])
     commands.append(" ".join(["python benchmarks/evaluate.py", *_argv(args)]))
+    try:
+        run_grid(args, models, model_id, runs, commands)
+    except KeyboardInterrupt:
+        save(args, model_id, runs, commands, plot=True)
+        raise SystemExit(f"\ninterrupted: {len(runs)} runs saved in {args.out / args.name}.json; "
+                         "add --resume to the same command to go on") from None
+    save(args, model_id, runs, commands, plot=True)
+
+
+def run_grid(args: argparse.Namespace, models: Models, model_id: str, runs: list[dict[str, Any]],
+             commands: list[str]) -> None:
+    """Every missing (length, task, seed, system) run, shortest length first; results saved after each."""
+    tokenizer = models.tokenizer
     done = {(r["task"], r["system"], r["length"], r["seed"]) for r in runs}
     for length in sorted(args.lengths):
         for task in args.tasks:
@@ -79,7 +92,6 @@ def main() -> None:
                     print(f"{task:16s} {system:16s} {length:>7,} seed {seed}: score {runs[-1]['score']:.2f} "
                           f"reply {run.reply[:60]!r}", flush=True)
                     save(args, model_id, runs, commands)
-    save(args, model_id, runs, commands, plot=True)
 
 
 def previous_runs(args: argparse.Namespace, model_id: str) -> tuple[list[dict[str, Any]], list[str]]:
