@@ -313,10 +313,7 @@ class Session:
             at = prompt.rfind(question) if question.strip() else -1
             if at < 0:
                 raise InputError("question must be a non-blank part of prompt")
-            # Encoded in three parts so that the question's own tokens are known (as in chat).
-            before_ids, question_ids = self._encode(prompt[:at]), self._encode(question)
-            ids = before_ids + question_ids + self._encode(prompt[at + len(question) :])
-            span = (len(before_ids), len(before_ids) + len(question_ids))
+            ids, span = self._encode_around(prompt[:at], question, prompt[at + len(question) :])
             pieces = self._generate_text(ids, max_new_tokens, stop_ids=self._stop_ids(), question_span=span)
         return pieces if stream else "".join(pieces)
 
@@ -340,12 +337,10 @@ class Session:
             preamble, question = self._template_turn(turn)
             split = len(message) if question.startswith(message) else 0  # 0: no known message span to match
             before, content, after, stop_text = "", question[:split], question[split:], None
-        # Encoded in three parts so that the message's own tokens (what recall matches) are known.
-        before_ids, content_ids = self._encode(before), self._encode(content)
-        span = (len(before_ids), len(before_ids) + len(content_ids))
+        ids, span = self._encode_around(before, content, after)
         reply: list[str] = []
         pieces = self._generate_text(
-            before_ids + content_ids + self._encode(after), max_new_tokens, stop_ids=self._stop_ids(),
+            ids, max_new_tokens, stop_ids=self._stop_ids(),
             preamble_ids=self._encode(preamble), stop_text=stop_text, question_span=span,
         )
         for piece in pieces:
@@ -472,6 +467,12 @@ class Session:
     def _stop_ids(self) -> set[int]:
         eos = self.lm.tokenizer.eos_token_id
         return {eos} if eos is not None else set()
+
+    def _encode_around(self, before: str, question: str, after: str) -> tuple[list[int], tuple[int, int]]:
+        """The ids of before + question + after, each encoded on its own so that the question's tokens
+        (what recall matches) are known, and their span."""
+        before_ids, question_ids = self._encode(before), self._encode(question)
+        return before_ids + question_ids + self._encode(after), (len(before_ids), len(before_ids) + len(question_ids))
 
     def _encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
