@@ -43,10 +43,42 @@ def _model(args: argparse.Namespace) -> Any:
     return lm
 
 
+class _IngestBar:
+    """The progress bar of one file's ingest, drawn at its first report (a file already stored draws none).
+
+    Bytes and tokens/s count from the first report, so a resumed ingest does not count what was stored before.
+    """
+
+    def __init__(self, session: Any, path: str, hidden: bool) -> None:
+        self.session, self.path, self.hidden = session, path, hidden
+        self.size = Path(path).stat().st_size if Path(path).is_file() else 0
+        self.bar: Any = None
+        self.started, self.first_tokens = 0.0, 0
+
+    def report(self, tokens: int, events: int) -> None:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+
+        position = self.session.ingest_progress()
+        if self.bar is None:
+            self.bar = tqdm(total=self.size, initial=position[0] if position is not None else 0, unit="B",
+                            unit_scale=True, desc=Path(self.path).name, disable=self.hidden, dynamic_ncols=True)
+            self.started, self.first_tokens = time.perf_counter(), tokens
+        elif position is not None:
+            self.bar.update(position[0] - self.bar.n)
+        rate = (tokens - self.first_tokens) / max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{tokens:,} tokens, {rate:,.0f} tok/s, {events:,} events", refresh=True)
+
+    def close(self) -> None:
+        if self.bar is None:
+            return
+        position = self.session.ingest_progress()
+        if position is not None:
+            self.bar.update(position[0] - self.bar.n)
+        self.bar.close()
+
+
 # ---------------------------------------------------------------------- commands
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
     lm = _model(args)
     session = _session(lm, args)
     results = []
@@ -57,29 +89,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             if last is not None and last.name == resolved and not last.complete and not args.json:
                 print(f"resuming {path} at byte {last.bytes_done:,} of {last.size_bytes:,} "
                       f"({last.token_end - last.token_start:,} tokens already stored)", file=sys.stderr)
-            size = Path(path).stat().st_size if Path(path).is_file() else 0
-            bars: list[Any] = []  # drawn at the first progress report: a file already stored draws none
-            started, first_tokens = time.perf_counter(), session.tokens_ingested
-
-            def progress(tokens: int, events: int, bars: list[Any] = bars, size: int = size, name: str = path,
-                         started: float = started, first_tokens: int = first_tokens) -> None:
-                if not bars:
-                    bars.append(tqdm(total=size, unit="B", unit_scale=True, desc=Path(name).name, disable=args.json,
-                                     dynamic_ncols=True))
-                position = session.ingest_progress()
-                if position is not None:
-                    bars[0].n = position[0]
-                rate = (tokens - first_tokens) / max(time.perf_counter() - started, 1e-9)
-                bars[0].set_postfix_str(f"{tokens:,} tokens, {rate:,.0f} tok/s, {events:,} events", refresh=True)
-
+            bar = _IngestBar(session, path, hidden=args.json)
             try:
-                report = session.ingest_file(path, progress=progress)
+                report = session.ingest_file(path, progress=bar.report)
             finally:
-                position = session.ingest_progress()
-                for bar in bars:
-                    if position is not None:
-                        bar.n = position[0]
-                    bar.close()
+                bar.close()
             results.append({"path": path, **report.model_dump()})
             if not args.json:
                 if report.already_ingested:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,6 @@ def test_ctrl_c_then_the_same_command_resumes(tmp_path, capsys, monkeypatch):
     assert cli.main(["ingest", str(doc), "--store", store]) == 0
     captured = capsys.readouterr()
     assert "resuming" in captured.err and "resumed at byte" in captured.out
+    # The resumed bar counts from where it resumed: no negative rate from the tokens stored before.
+    rates = [int(r.replace(",", "")) for r in re.findall(r"(-?[\d,]+) tok/s", captured.err)]
+    assert rates and min(rates) >= 0
