@@ -91,6 +91,34 @@ def test_save_load_and_catch_up(tmp_path):
     assert len(ahead) == 20 and int(ahead.summary.ntotal) == 20
 
 
+def test_indexes_saved_as_idmap2_by_earlier_versions_load_grow_and_become_ivf(tmp_path):
+    import json
+
+    import faiss
+
+    cfg = IndexConfig(ivf_min_events=60, ivf_lists_per_sqrt=1.0, ivf_nprobe=16)
+    vectors = _vectors(100)
+    old = [faiss.IndexIDMap2(faiss.IndexFlatIP(d)) for d in [DIM] * LAYERS + [DIM * len(SUMMARY_LAYERS)]]
+    for event_id in range(40):
+        for layer in range(LAYERS):
+            old[layer].add_with_ids(vectors[event_id, layer][None], np.array([event_id]))
+        old[-1].add_with_ids(_summary(vectors[event_id])[None], np.array([event_id]))
+    for layer in range(LAYERS):
+        faiss.write_index(old[layer], str(tmp_path / f"layer-{layer:03d}.faiss"))
+    faiss.write_index(old[-1], str(tmp_path / "summary.faiss"))
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"events": 40, "kind": "flat", "layers": LAYERS, "summary_layers": SUMMARY_LAYERS}))
+    loaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, 100,
+                               lambda e: vectors[e], lambda e: _summary(vectors[e]))
+    assert loaded.saved_events == 40 and loaded.kind == "ivf" and len(loaded) == 100
+    assert all(isinstance(index, faiss.IndexIVFScalarQuantizer) for index in [*loaded.indexes, loaded.summary])
+    found = sum(event_id in loaded.search(0, torch.from_numpy(vectors[event_id, 0] * 10), k=5)[0]
+                for event_id in range(100))
+    assert found >= 90
+    loaded.save(tmp_path)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_a_summary_of_other_layers_or_a_missing_one_is_rebuilt(tmp_path):
     cfg = IndexConfig()
     index, vectors = _filled(12, cfg)

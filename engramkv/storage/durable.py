@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -17,10 +18,21 @@ def fsync_dir(directory: Path) -> None:
 
 def replace_durably(path: Path, data: bytes) -> None:
     """Write to a temp file, fsync, rename over `path`, fsync the directory: all or nothing after a crash."""
+
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(data)
+
+    replace_durably_with(path, write)
+
+
+def replace_durably_with(path: Path, write: Callable[[Path], None]) -> None:
+    """`replace_durably` for a writer that streams to a file itself (no copy of the whole content in RAM)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    write(tmp)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)

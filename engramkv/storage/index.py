@@ -1,8 +1,9 @@
 """One FAISS inner-product index per layer over the events' representative keys; ids are event ids.
 
-An index starts flat (exact, `IndexIDMap2` over `IndexFlatIP`). Past `ivf_min_events` it is rebuilt
-once as IVF with 8-bit scalar quantisation (trained on the vectors it already holds), which keeps
-search time and RAM from growing linearly with the document. Indexes are saved beside the catalog
+An index starts flat (exact, `IndexIDMap` over `IndexFlatIP`). Past `ivf_min_events` it is rebuilt
+once as IVF with 8-bit scalar quantisation (trained on the vectors it already holds; the event ids live
+in its inverted lists), which keeps search time sub-linear and RAM near one byte per dimension and event.
+No id-to-position map is kept (`IndexIDMap2` costs ~50 B per event and index): nothing looks vectors up by id. Indexes are saved beside the catalog
 with the number of events they hold; on open, an index that lags the catalog is caught up from the
 representatives stored in the event blobs, and one that is ahead (saved, then the catalog commit was
 lost) is rebuilt.
@@ -28,7 +29,7 @@ import torch
 
 from engramkv.config import IndexConfig
 from engramkv.errors import ConfigError
-from engramkv.storage.durable import replace_durably
+from engramkv.storage.durable import replace_durably, replace_durably_with
 
 
 def _gpu_resources(device: str) -> Any:
@@ -100,15 +101,14 @@ class LayerIndexes:
         n, dim = int(flat.ntotal), int(flat.d)
         nlist = max(16, int(self.cfg.ivf_lists_per_sqrt * math.sqrt(n)))
         ids = faiss.vector_to_array(flat.id_map).astype(np.int64)  # type: ignore[attr-defined]  # (n,)
-        vectors = flat.reconstruct_n(0, n)  # (n, F): IndexIDMap2 stores them in add order
+        vectors = faiss.downcast_index(flat.index).reconstruct_n(0, n)  # (n, F), in add order, as `ids`
         quantizer = faiss.IndexFlatIP(dim)
         ivf = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
         ivf.cp.seed = 1234  # a resumed ingest must rebuild the same index
         ivf.train(vectors)
         ivf.nprobe = self.cfg.ivf_nprobe
-        wrapped = faiss.IndexIDMap2(ivf)
-        wrapped.add_with_ids(vectors, ids)
-        return wrapped
+        ivf.add_with_ids(vectors, ids)
+        return ivf
 
     # ------------------------------------------------------------------ persistence
     def save(self, directory: Path) -> None:
@@ -116,7 +116,8 @@ class LayerIndexes:
         directory.mkdir(parents=True, exist_ok=True)
         named = [(f"layer-{layer:03d}.faiss", index) for layer, index in enumerate(self.indexes)]
         for name, index in [*named, ("summary.faiss", self.summary)]:
-            replace_durably(directory / name, faiss.serialize_index(index).tobytes())
+            # Streamed to the file: serialising in memory held two copies of the index at every save.
+            replace_durably_with(directory / name, lambda tmp, index=index: faiss.write_index(index, str(tmp)))
         replace_durably(directory / "manifest.json", json.dumps({
             "events": len(self), "kind": self.kind, "layers": self.num_layers, "summary_layers": self.summary_layers,
         }).encode())
@@ -171,7 +172,7 @@ class LayerIndexes:
 
 
 def _flat(dim: int) -> faiss.Index:
-    return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+    return faiss.IndexIDMap(faiss.IndexFlatIP(dim))
 
 
 def _search(index: faiss.Index, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
