@@ -109,6 +109,12 @@ class RecallConfig(_Strict):
         description="'contiguous' numbers the assembled window 0..N-1 (ReAttention); "
         "'fixed' puts every memory token at one position just before the local window (InfLLM/EM-LLM).",
     )
+    answer_layout: Literal["before_window", "before_question"] = Field(
+        default="before_window",
+        description="Where an answer's pinned events sit (with 'contiguous' positions): 'before_window' as while "
+        "reading; 'before_question' between the text read before the question and the question itself, "
+        "as retrieval-augmented prompts put their chunks.",
+    )
     memory_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
     question_match: Literal["keys", "attention"] = Field(
         default="keys",

@@ -215,3 +215,26 @@ def test_a_sentence_cut_in_two_by_a_boundary_beats_a_whole_sentence_about_someth
     together = match_question(memory, question, list(range(LAYERS)), k=2, candidates=16, neighbours=1)
     assert together[0][0] in (3, 4) and together[0][1] == pytest.approx(1.0, abs=1e-4)
     assert abs(together[1][0] - together[0][0]) > 1  # the second hit is another stretch, not a neighbour
+
+
+def test_before_question_layout_puts_the_answer_events_between_the_text_and_the_prompt(monkeypatch):
+    import engramkv.agent.engine as engine
+
+    seen: dict[str, list[tuple[int, int, int]]] = {}  # layout -> (memory_at, local text before the prompt, local)
+    real = engine.assemble
+    for layout in ["before_window", "before_question"]:
+        session, planted, _ = _planted_session()
+        session.cfg.recall.answer_layout = layout
+        calls = seen[layout] = []
+
+        def spy(sink, local, memory, new, memory_at, calls=calls, state=session.state):
+            if state.mode in ("prompt", "decode") and memory.shape[1]:
+                calls.append((memory_at, state.pinned_from - state.local_start, local.shape[1]))
+            return real(sink, local, memory, new, memory_at)
+
+        monkeypatch.setattr(engine, "assemble", spy)
+        question = " ".join(map(str, planted))
+        session.generate(f"9 {question} 7", max_new_tokens=3, question=question)
+    assert seen["before_window"] and {at for at, _, _ in seen["before_window"]} == {0}
+    assert seen["before_question"] and all(at == before > 0 for at, before, _ in seen["before_question"])
+    assert any(at < n for at, _, n in seen["before_question"])  # prompt tokens came after the memory

@@ -3,7 +3,7 @@ import torch
 from engramkv.config import RecallConfig
 from engramkv.memory.events import Event, InMemoryEventMemory
 from engramkv.retrieval.recall import select_events
-from engramkv.retrieval.window import lower_right_causal_mask, window_positions
+from engramkv.retrieval.window import assemble, lower_right_causal_mask, resident_columns, window_positions
 
 
 def _memory(lengths, hot=None):
@@ -54,6 +54,19 @@ def test_position_schemes():
     assert window_positions(2, 3, 2, 1, "contiguous").tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
     assert window_positions(2, 3, 2, 1, "fixed").tolist() == [0, 1, 2, 2, 2, 3, 4, 5]
     assert window_positions(2, 0, 2, 1, "fixed").tolist() == [0, 1, 2, 3, 4]
+
+
+def test_assemble_puts_memory_after_the_local_text_before_the_prompt():
+    def part(label: int, n: int) -> torch.Tensor:
+        return torch.full((1, n, 1), float(label))  # (Hkv, n, D)
+
+    sink, local, memory, new = part(0, 2), torch.arange(10.0, 15.0).view(1, 5, 1), part(9, 3), part(5, 1)
+    order = assemble(sink, local, memory, new, memory_at=0).flatten().tolist()
+    assert order == [0, 0, 9, 9, 9, 10, 11, 12, 13, 14, 5]  # reading: memory before the local window
+    order = assemble(sink, local, memory, new, memory_at=3).flatten().tolist()
+    assert order == [0, 0, 10, 11, 12, 9, 9, 9, 13, 14, 5]  # answer: memory before the prompt's 2 tokens
+    weights = torch.tensor(order)[None]  # (1, N): each column labelled by what it holds
+    assert resident_columns(weights, 2, 3, 3).tolist() == [[10, 11, 12, 13, 14, 5]]
 
 
 def test_lower_right_mask():

@@ -30,7 +30,7 @@ from engramkv.memory.segmentation import OnlineSegmenter
 from engramkv.memory.surprise import token_surprise
 from engramkv.retrieval.key_match import key_summary, summary_layer_ids
 from engramkv.retrieval.recall import select_events
-from engramkv.retrieval.window import lower_right_causal_mask, window_positions
+from engramkv.retrieval.window import assemble, lower_right_causal_mask, resident_columns, window_positions
 
 Mode = Literal["ingest", "prompt", "decode", "probe"]  # prompt = ingest of a question, with the answer budget
 
@@ -102,6 +102,7 @@ class EpisodicState:
         self.summary_layers = summary_layer_ids(spec.num_layers, cfg.recall.summary_layers)
         # Set for a chat turn: every layer attends to these events while the answer is read and written.
         self.pinned_events: list[int] | None = None
+        self.pinned_from = 0  # global index of the first token read with the pinned events (the prompt's start)
         self._masks: dict[int, torch.Tensor] = {}  # wide causal masks by query count
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (P, D)
 
@@ -114,8 +115,13 @@ class EpisodicState:
         n_new = q.shape[1]
         mem_k, mem_v = self._recalled(layer, st, q)  # (Hkv, M, D) each
         n_sink, n_mem, n_local = st.sink_k.shape[1], mem_k.shape[1], st.local_k.shape[1]
-        keys = torch.cat([st.sink_k, mem_k, st.local_k, k], dim=1)  # (Hkv, N, D)
-        values = torch.cat([st.sink_v, mem_v, st.local_v, v], dim=1)  # (Hkv, N, D)
+        # Memory goes before the local window, or (an answer with before_question) between the local
+        # text read before the prompt and the prompt: `split` local tokens precede it.
+        split = 0
+        if self._memory_before_question():
+            split = min(max(self.pinned_from - self.local_start, 0), n_local)
+        keys = assemble(st.sink_k, st.local_k, mem_k, k, split)  # (Hkv, N, D)
+        values = assemble(st.sink_v, st.local_v, mem_v, v, split)  # (Hkv, N, D)
         n_keys = keys.shape[1]
 
         positions = window_positions(n_sink, n_mem, n_local, n_new, self.cfg.recall.positions)  # (N,)
@@ -129,7 +135,7 @@ class EpisodicState:
         )  # (1, H, C, D)
 
         if self.mode != "probe":
-            received = self._attention_received(q_rot, k_rot, scaling, n_sink + n_mem)  # (Hkv, L + C)
+            received = self._attention_received(q_rot, k_rot, scaling, n_sink, split, n_mem)  # (Hkv, L + C)
             self._append(st, k, v, received)
         else:
             st.probe_keys = k
@@ -184,10 +190,16 @@ class EpisodicState:
         grouped = q.float().view(self.spec.num_kv_heads, h // self.spec.num_kv_heads, c, d)  # (Hkv, G, C, D)
         return grouped.mean(dim=(1, 2)).flatten()  # (Hkv * D,)
 
+    def _memory_before_question(self) -> bool:
+        recall = self.cfg.recall
+        return (self.pinned_events is not None and self.mode in ("prompt", "decode")
+                and recall.answer_layout == "before_question" and recall.positions == "contiguous")
+
     def _attention_received(
-        self, q_rot: torch.Tensor, k_rot: torch.Tensor, scaling: float, resident_from: int
+        self, q_rot: torch.Tensor, k_rot: torch.Tensor, scaling: float, n_sink: int, memory_at: int, n_mem: int
     ) -> torch.Tensor:  # (Hkv, L + C)
-        """Attention that the last few queries pay to each local/new token (feeds the representatives)."""
+        """Attention that the last few queries pay to each local/new token (feeds the representatives);
+        the keys are assembled with `memory_at` local tokens before the memory."""
         h, c, d = q_rot.shape
         hkv, n_keys = k_rot.shape[0], k_rot.shape[1]
         s = min(c, self.cfg.representatives.stat_queries)
@@ -197,7 +209,7 @@ class EpisodicState:
         future = ~self._mask(s, s)  # (s, s) strictly upper triangle
         logits[..., n_keys - s :].masked_fill_(future, float("-inf"))
         weights = logits.softmax(dim=-1).sum(dim=(1, 2))  # (Hkv, N)
-        return weights[:, resident_from:].cpu()
+        return resident_columns(weights, n_sink, memory_at, n_mem).cpu()
 
     def _append(self, st: _LayerState, k: torch.Tensor, v: torch.Tensor, received: torch.Tensor) -> None:
         to_sink = min(k.shape[1], self.cfg.window.n_sink - st.sink_k.shape[1])

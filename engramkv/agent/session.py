@@ -455,6 +455,7 @@ class Session:
         if recall.answer_budget_tokens is not None:
             budget = min(budget, recall.answer_budget_tokens)
         self.state.pinned_events = answer_events(self.memory, [event_id for event_id, _ in matches], budget)
+        self.state.pinned_from = self.state.n_tokens  # the queue is flushed: the prompt starts here
         self.last_recalled = self._recalled_events(matches)
 
     def _pick(self, logits: torch.Tensor, generator: torch.Generator) -> int:

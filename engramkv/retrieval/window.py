@@ -1,6 +1,9 @@
 """Positions for the assembled attention window.
 
-The window of one layer is  [sinks (S) | recalled memory (M) | local window (L) | new tokens (C)].
+The window of one layer is  [sinks (S) | recalled memory (M) | local window (L) | new tokens (C)],
+or, while an answer reads its prompt and writes (`RecallConfig.answer_layout = "before_question"`),
+[sinks | local text before the prompt | memory | the prompt and answer so far | new tokens], the way a
+retrieval-augmented prompt puts its chunks right before the question.
 Keys are stored without RoPE, so each forward chooses their positions:
 
 - "contiguous" (ReAttention): number the window 0..N-1. Every position stays inside the
@@ -30,3 +33,15 @@ def window_positions(
 def lower_right_causal_mask(n_queries: int, n_keys: int) -> torch.Tensor:  # (C, N) bool
     """Query i (the i-th of the last n_queries tokens) sees keys 0 .. n_keys - n_queries + i."""
     return torch.ones(n_queries, n_keys, dtype=torch.bool).tril(n_keys - n_queries)
+
+
+def assemble(sink: torch.Tensor, local: torch.Tensor, memory: torch.Tensor, new: torch.Tensor,
+             memory_at: int) -> torch.Tensor:  # (Hkv, S + L + M + C, D)
+    """The window's keys (or values) in attention order: memory after the first `memory_at` local tokens."""
+    return torch.cat([sink, local[:, :memory_at], memory, local[:, memory_at:], new], dim=1)
+
+
+def resident_columns(weights: torch.Tensor, n_sink: int, memory_at: int, n_memory: int) -> torch.Tensor:
+    """The columns of an assembled window's (..., N) weights that belong to local and new tokens, in order."""
+    start = n_sink + memory_at
+    return torch.cat([weights[..., n_sink:start], weights[..., start + n_memory :]], dim=-1)
