@@ -101,7 +101,7 @@ class LayerIndexes:
         n, dim = int(flat.ntotal), int(flat.d)
         nlist = max(16, int(self.cfg.ivf_lists_per_sqrt * math.sqrt(n)))
         ids = faiss.vector_to_array(flat.id_map).astype(np.int64)  # type: ignore[attr-defined]  # (n,)
-        vectors = faiss.downcast_index(flat.index).reconstruct_n(0, n)  # (n, F), in add order, as `ids`
+        vectors = faiss.downcast_index(flat.index).reconstruct_n(0, n)  # type: ignore[attr-defined]  # (n, F), as `ids`
         quantizer = faiss.IndexFlatIP(dim)
         ivf = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_INNER_PRODUCT)
         ivf.cp.seed = 1234  # a resumed ingest must rebuild the same index
@@ -117,7 +117,7 @@ class LayerIndexes:
         named = [(f"layer-{layer:03d}.faiss", index) for layer, index in enumerate(self.indexes)]
         for name, index in [*named, ("summary.faiss", self.summary)]:
             # Streamed to the file: serialising in memory held two copies of the index at every save.
-            replace_durably_with(directory / name, lambda tmp, index=index: faiss.write_index(index, str(tmp)))
+            replace_durably_with(directory / name, _writer(index))
         replace_durably(directory / "manifest.json", json.dumps({
             "events": len(self), "kind": self.kind, "layers": self.num_layers, "summary_layers": self.summary_layers,
         }).encode())
@@ -169,6 +169,13 @@ class LayerIndexes:
         for event_id in range(start, committed_events):  # catch up from the blobs
             loaded.add(event_id, representatives_of(event_id), summary_of(event_id))
         return loaded
+
+
+def _writer(index: faiss.Index) -> Callable[[Path], None]:
+    def write(path: Path) -> None:
+        faiss.write_index(index, str(path))
+
+    return write
 
 
 def _flat(dim: int) -> faiss.Index:
