@@ -175,19 +175,23 @@ def plot_accuracy(path: Path, tasks: list[str], systems: list[str], lengths: lis
     columns = min(4, len(tasks))
     rows = math.ceil(len(tasks) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3.2 * rows), squeeze=False, sharey=True)
+    markers = "osD^vP*X"
     for ax, task in zip(axes.flat, tasks):
-        for system in systems:
+        for i, system in enumerate(systems):
             points = [(n, sum(s) / len(s)) for n in lengths if (s := accuracy.get((task, system, n)))]
             if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=system)
+                # Systems often score the same: a small vertical offset and a marker each keep every line visible.
+                offset = (i - (len(systems) - 1) / 2) * 0.012
+                ax.plot([p[0] for p in points], [p[1] + offset for p in points], marker=markers[i % len(markers)],
+                        markersize=5, linewidth=1.2, alpha=0.85, label=system)
         ax.set_title(task)
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
-        ax.set_ylim(-0.05, 1.05)
+        ax.set_ylim(-0.08, 1.08)
         ax.set_xlabel("context tokens")
     for ax in list(axes.flat)[len(tasks):]:
         ax.axis("off")
-    axes[0][0].set_ylabel("score")
+    axes[0][0].set_ylabel("score (lines offset slightly to stay apart)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), fontsize="small")
     fig.tight_layout(rect=(0, 0.08, 1, 1))
