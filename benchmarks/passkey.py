@@ -74,11 +74,12 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     for length in args.lengths:
-        for system in args.systems:
-            if system == "full" and length > args.full_max:
-                continue
-            for i, depth in enumerate(args.depths):
-                context, question, key = passkey_sample(tokenizer, length, depth, seed=args.seed + 1000 * i + length)
+        # Systems take turns on each sample, so a run cut short still compares them on the same samples.
+        for i, depth in enumerate(args.depths):
+            context, question, key = passkey_sample(tokenizer, length, depth, seed=args.seed + 1000 * i + length)
+            for system in args.systems:
+                if system == "full" and length > args.full_max:
+                    continue
                 if system == "full":
                     answer, seconds = run_full(plain, tokenizer, context, question, args.max_new_tokens)
                 else:
