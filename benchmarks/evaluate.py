@@ -2,7 +2,7 @@
 
     python benchmarks/evaluate.py                          # all tasks and systems, 4k-32k, 1 sample per cell
     python benchmarks/evaluate.py --tasks passkey --lengths 65536 131072 --systems engram streaming
-    python benchmarks/evaluate.py --quick                  # a few minutes: three tasks, every system, 2k
+    python benchmarks/evaluate.py --quick                  # a few minutes: three tasks, every default system, 2k
 
 Tasks (`evalkit/tasks.py`): passkey, kv, niah-single, niah-multikey, niah-multivalue, niah-multiquery,
 conversation. Systems (`evalkit/systems.py`): full, streaming, rag, inflm, engram-surprise,
@@ -29,7 +29,7 @@ from typing import Any
 from _common import RESULTS, machine, write_results
 from engramkv.config import ModelConfig
 from engramkv.hf import load_pretrained
-from evalkit.systems import SYSTEMS, Models
+from evalkit.systems import DEFAULT_SYSTEMS, SYSTEMS, Models
 from evalkit.tasks import TASKS
 
 QUICK_LENGTH = 2048
@@ -40,14 +40,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=None, choices=list(TASKS), metavar="TASK",
                         help="default: all (with --quick: " + ", ".join(QUICK_TASKS) + ")")
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS), metavar="SYSTEM")
+    parser.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS, choices=list(SYSTEMS), metavar="SYSTEM",
+                        help="default: " + " ".join(DEFAULT_SYSTEMS) + " (also: "
+                        + " ".join(s for s in SYSTEMS if s not in DEFAULT_SYSTEMS) + ")")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--samples", type=int, default=1, help="samples per task and length (default 1)")
     parser.add_argument("--full-max", type=int, default=16384,
                         help="longest context for full attention (its cost is quadratic; default 16384)")
     parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"one sample of three tasks on every system at {QUICK_LENGTH} tokens (a few minutes)")
+                        help=f"one sample of three tasks on every default system at {QUICK_LENGTH} tokens (a few minutes)")
     parser.add_argument("--name", default="eval")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     parser.add_argument("--resume", action="store_true",

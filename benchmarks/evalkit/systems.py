@@ -254,6 +254,11 @@ VARIANTS = {
     "engram-surprise": _variant(recall=NO_CONTIGUITY, refinement={"enabled": False}),
     "engram-refined": _variant(recall=NO_CONTIGUITY),
     "engram": EngineConfig(),
+    # Not in the default grid: the answer's events next to the prompt, as RAG places its chunks
+    # (measured against "engram" on 4k/8k RULER samples: no consistent gain; README "Evaluation").
+    "engram-before-question": _variant(recall={"answer_layout": "before_question"}),
 }
 for _name, _config in VARIANTS.items():
     SYSTEMS[_name] = lambda models, sample, config=_config: _engram_run(models, sample, config)
+OPTIONAL_SYSTEMS = ("engram-before-question",)
+DEFAULT_SYSTEMS = [name for name in SYSTEMS if name not in OPTIONAL_SYSTEMS]
