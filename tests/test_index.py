@@ -58,6 +58,35 @@ def test_past_the_threshold_it_becomes_ivf_and_still_finds_the_best():
     assert hits >= 36  # approximate search: its own vector is in the top 10 almost always
 
 
+def test_ivf_layer_indexes_are_centred_and_keep_the_exact_ranking(tmp_path):
+    # Representatives share a large common direction; the IVF stores them minus their mean, which must
+    # not change what a search ranks first (with every list probed, IVF equals exact search up to the codec).
+    n = 600
+    vectors = _vectors(n, seed=3)
+    vectors[:, :, 0] += 20.0
+    cfg = IndexConfig(ivf_min_events=400, ivf_lists_per_sqrt=1.0, ivf_nprobe=1000, ivf_codec="sq8")
+    index = LayerIndexes(LAYERS, DIM, cfg, SUMMARY_LAYERS)
+    for event_id in range(n):
+        index.add(event_id, vectors[event_id], _summary(vectors[event_id]))
+    assert index.kind == "ivf" and index.centres is not None
+    assert np.allclose(index.centres, vectors[:400].mean(axis=0), atol=1e-4)  # the mean at the rebuild
+
+    def overlap(indexes: LayerIndexes) -> float:
+        found = 0
+        for event_id in range(0, n, 20):
+            query = vectors[event_id, 1] * np.linspace(0.5, 1.5, DIM, dtype=np.float32)
+            exact = set(np.argsort(-(vectors[:, 1] @ query))[:10].tolist())
+            found += len(exact & set(indexes.search(1, torch.from_numpy(query), 10)[0]))
+        return found / (10 * len(range(0, n, 20)))
+
+    assert overlap(index) >= 0.9
+    index.save(tmp_path)
+    reloaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, n + 50,
+                                 lambda e: vectors[e % n], lambda e: _summary(vectors[e % n]))
+    assert np.array_equal(reloaded.centres, index.centres) and len(reloaded) == n + 50
+    assert overlap(reloaded) >= 0.9  # events added after the reload are centred the same way
+
+
 def test_save_load_and_catch_up(tmp_path):
     cfg = IndexConfig()
     index, vectors = _filled(30, cfg)
