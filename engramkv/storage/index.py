@@ -104,26 +104,33 @@ class LayerIndexes:
                              for index in [*self.indexes, self.summary]]
 
     def _to_ivf(self) -> None:
-        vectors = [_vectors(index)[1] for index in self.indexes]  # (n, F) per layer
-        self.centres = np.stack([v.mean(axis=0) for v in vectors]).astype(np.float32)  # (layers, F)
-        self.indexes = [self._ivf(index, centre) for index, centre in zip(self.indexes, self.centres)]
-        self.summary = self._ivf(self.summary)
+        # One layer at a time: the flat vectors of every layer at once would be the largest transient of a long ingest.
+        centres: list[np.ndarray] = []
+        for layer, flat in enumerate(self.indexes):
+            self.indexes[layer], centre = self._ivf(flat, centred=True)
+            assert centre is not None
+            centres.append(centre)
+        self.centres = np.stack(centres)  # (layers, F)
+        self.summary, _ = self._ivf(self.summary)
         self.kind = "ivf"
         self._mirror()
 
-    def _ivf(self, flat: faiss.Index, centre: np.ndarray | None = None) -> faiss.Index:
+    def _ivf(self, flat: faiss.Index, centred: bool = False) -> tuple[faiss.Index, np.ndarray | None]:
+        """The IVF index of a flat one's vectors (minus their mean if `centred`), and that mean."""
         n, dim = int(flat.ntotal), int(flat.d)
         nlist = max(16, int(self.cfg.ivf_lists_per_sqrt * math.sqrt(n)))
         ids, vectors = _vectors(flat)
-        if centre is not None:
-            vectors = vectors - centre
+        centre = None
+        if centred:
+            centre = vectors.mean(axis=0, dtype=np.float64).astype(np.float32)  # (F,)
+            vectors -= centre
         quantizer = faiss.IndexFlatIP(dim)
         ivf = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, _CODECS[self.cfg.ivf_codec], faiss.METRIC_INNER_PRODUCT)
         ivf.cp.seed = 1234  # a resumed ingest must rebuild the same index
         ivf.train(vectors)
         ivf.nprobe = self.cfg.ivf_nprobe
         ivf.add_with_ids(vectors, ids)
-        return ivf
+        return ivf, centre
 
     # ------------------------------------------------------------------ persistence
     def save(self, directory: Path) -> None:
@@ -179,7 +186,7 @@ class LayerIndexes:
                         for event_id in range(start):
                             loaded.summary.add_with_ids(summary_of(event_id).reshape(1, -1), np.array([event_id]))
                         if loaded.kind == "ivf":
-                            loaded.summary = loaded._ivf(loaded.summary)
+                            loaded.summary, _ = loaded._ivf(loaded.summary)
                     if loaded.kind == "ivf":
                         for index in [*loaded.indexes, loaded.summary]:
                             faiss.extract_index_ivf(index).nprobe = cfg.ivf_nprobe
