@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -125,36 +126,46 @@ def main() -> None:
     anon_max = 0.0  # sampled after every piece, as a check that peak RSS is the process's own memory
     cache_max = 0.0  # hot + warm tier bytes, sampled likewise: they fill up to their caps as the store grows
     memory = session.store_memory
-    for ids in token_stream(args.tokens, seed=0):
-        session.ingest_ids(ids)
-        done += len(ids)
-        anon_max = max(anon_max, rss_split_mb()[0])
-        cache_max = max(cache_max, (memory.hot.bytes + memory.warm.bytes) / 2**20)
-        if checkpoints and done >= checkpoints[0]:
-            checkpoints.pop(0)
-            session.commit()
-            now = time.perf_counter()
-            latency = recall_latency(session, args.recalls, seed=done)
-            disk = session.store_memory.store.disk_bytes()
-            anon, file_backed = rss_split_mb()
-            anon_max = max(anon_max, anon)
-            row = {
-                "tokens": done, "events": session.events, "tokens_per_s": round((done - last_n) / (now - last_t), 1),
-                "peak_rss_mb": round(peak_rss_mb(), 1), "anon_rss_max_mb": round(anon_max, 1),
-                "file_rss_mb": round(file_backed, 1), "cache_max_mb": round(cache_max, 1),
-                "disk_bytes_per_token": round(disk / done, 1),
-                "disk_vs_fp16_kv": round(disk / done / fp16_bytes_per_token, 3),
-                **latency,
-                "index": session.store_memory.indexes.kind, "elapsed_s": round(now - started, 1),
-            }
-            rows.append(row)
-            print(row, flush=True)
-            report(rows, args, spec, fp16_bytes_per_token, started)
-            last_t, last_n = time.perf_counter(), done
-    session.close()
-    lm.close()
-    if args.store is None:
-        shutil.rmtree(store)  # a temporary store of up to a few GB: do not leave it behind
+    # Ctrl-C or a kill (SIGTERM) still removes a temporary store of up to a few GB.
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        for ids in token_stream(args.tokens, seed=0):
+            session.ingest_ids(ids)
+            done += len(ids)
+            anon_max = max(anon_max, rss_split_mb()[0])
+            cache_max = max(cache_max, (memory.hot.bytes + memory.warm.bytes) / 2**20)
+            if checkpoints and done >= checkpoints[0]:
+                checkpoints.pop(0)
+                session.commit()
+                now = time.perf_counter()
+                latency = recall_latency(session, args.recalls, seed=done)
+                disk = session.store_memory.store.disk_bytes()
+                anon, file_backed = rss_split_mb()
+                anon_max = max(anon_max, anon)
+                row = {
+                    "tokens": done, "events": session.events, "tokens_per_s": round((done - last_n) / (now - last_t), 1),
+                    "peak_rss_mb": round(peak_rss_mb(), 1), "anon_rss_max_mb": round(anon_max, 1),
+                    "file_rss_mb": round(file_backed, 1), "cache_max_mb": round(cache_max, 1),
+                    "disk_bytes_per_token": round(disk / done, 1),
+                    "disk_vs_fp16_kv": round(disk / done / fp16_bytes_per_token, 3),
+                    **latency,
+                    "index": session.store_memory.indexes.kind, "elapsed_s": round(now - started, 1),
+                }
+                rows.append(row)
+                print(row, flush=True)
+                report(rows, args, spec, fp16_bytes_per_token, started)
+                last_t, last_n = time.perf_counter(), done
+        session.close()
+        lm.close()
+    finally:
+        if args.store is None:
+            for stop in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C or kill must not cut the removal short
+                signal.signal(stop, signal.SIG_IGN)
+            shutil.rmtree(store, ignore_errors=True)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16: int, started: float) -> None:
