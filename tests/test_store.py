@@ -6,16 +6,18 @@ Every test here runs against SQLite in a temporary directory, and again against 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from engramkv import EngineConfig
-from engramkv.config import RecallConfig, SegmentationConfig, StoreConfig, WindowConfig
+from engramkv.config import IndexConfig, RecallConfig, SegmentationConfig, StoreConfig, WindowConfig
 from engramkv.errors import (
     NamespaceError,
     ReadOnlyError,
@@ -253,6 +255,26 @@ def test_index_files_catch_up_with_the_catalog(tmp_path, cfg):
     manifest.unlink()  # as if the index had never been saved: it is rebuilt from the blobs
     _, lm2 = tiny_pair("llama", cfg)
     with lm2.session(store=tmp_path) as s:
+        assert s.recall("5 6 7", k=5) == expected
+    lm2.close()
+
+
+def test_past_the_ivf_threshold_a_reopened_store_recalls_as_before(tmp_path, cfg):
+    index = IndexConfig(ivf_min_events=16, ivf_lists_per_sqrt=1.0, ivf_nprobe=64)  # every list probed
+    cfg = cfg.model_copy(update={"store": cfg.store.model_copy(update={"index": index})})
+    _, lm = tiny_pair("llama", cfg)
+    s = lm.session(store=tmp_path)
+    s.ingest(_text(600))
+    indexes = s.store_memory.indexes
+    assert indexes.kind == "ivf" and indexes.centres is not None and s.events > 16
+    expected = s.recall("5 6 7", k=5)  # recall does not move the stream (generating would)
+    s.close()
+    lm.close()
+    manifest = json.loads(next(tmp_path.rglob("manifest.json")).read_text())
+    assert manifest["kind"] == "ivf" and len(manifest["centres"]) == lm.spec.num_layers  # one mean per layer
+    _, lm2 = tiny_pair("llama", cfg)
+    with lm2.session(store=tmp_path) as s:
+        assert np.array_equal(s.store_memory.indexes.centres, indexes.centres)
         assert s.recall("5 6 7", k=5) == expected
     lm2.close()
 
