@@ -29,7 +29,7 @@ from typing import Any
 from _common import RESULTS, machine, write_results
 from engramkv.config import ModelConfig
 from engramkv.hf import load_pretrained
-from evalkit.systems import DEFAULT_SYSTEMS, SYSTEMS, Models
+from evalkit.systems import DEFAULT_SYSTEMS, OPTIONAL_SYSTEMS, SYSTEMS, Models
 from evalkit.tasks import TASKS
 
 QUICK_LENGTH = 2048
@@ -41,8 +41,7 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=None, choices=list(TASKS), metavar="TASK",
                         help="default: all (with --quick: " + ", ".join(QUICK_TASKS) + ")")
     parser.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS, choices=list(SYSTEMS), metavar="SYSTEM",
-                        help="default: " + " ".join(DEFAULT_SYSTEMS) + " (also: "
-                        + " ".join(s for s in SYSTEMS if s not in DEFAULT_SYSTEMS) + ")")
+                        help="default: " + " ".join(DEFAULT_SYSTEMS) + " (also: " + " ".join(OPTIONAL_SYSTEMS) + ")")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--samples", type=int, default=1, help="samples per task and length (default 1)")
     parser.add_argument("--full-max", type=int, default=16384,

@@ -11,11 +11,12 @@ k-means over raw ones puts most of them in a few lists, so 32 probed lists held 
 of the exact top 10 (default model, 8k natural-text events); centred, three quarters. Subtracting a
 constant from every indexed vector shifts all scores of one query by the same amount: the ranking of a
 search is unchanged, only the partition improves. (The key summaries, averages of unit vectors, gained
-nothing from it and are indexed as they are.)
-No id-to-position map is kept (`IndexIDMap2` costs ~50 B per event and index): nothing looks vectors up by id. Indexes are saved beside the catalog
-with the number of events they hold; on open, an index that lags the catalog is caught up from the
-representatives stored in the event blobs, and one that is ahead (saved, then the catalog commit was
-lost) is rebuilt.
+nothing from it and are indexed as they are.) No id-to-position map is kept (`IndexIDMap2` costs ~50 B
+per event and index): nothing looks vectors up by id.
+
+Indexes are saved beside the catalog with the number of events they hold; on open, an index that lags
+the catalog is caught up from the representatives stored in the event blobs, and one that is ahead
+(saved, then the catalog commit was lost) is rebuilt.
 
 Beside them, one index over the events' key summaries (`retrieval.key_match`): what questions are
 matched against. It is derived from the stored keys, so a store without it gets it rebuilt on open.
