@@ -11,7 +11,8 @@ At each checkpoint (default 100k, 1M, 10M tokens) it reports ingest tokens/s ove
 interval, peak RSS, disk bytes per token (and as a fraction of the fp16 KV it stands for), and the
 latency of one recall (index search + fetch of the chosen events' KV for every layer, caches
 emptied first so the disk tier is read), p50 and p99 over --recalls queries, with the p99 of the
-search and the fetch parts apart.
+search and the fetch parts apart, and what the slowest 1% of recalls waited on: major page faults
+(reads the page cache could not serve) and Python's garbage collector.
 
     python benchmarks/scale.py --tokens 10000000
 """
@@ -19,7 +20,9 @@ search and the fetch parts apart.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
+import resource
 import shutil
 import signal
 import tempfile
@@ -68,28 +71,48 @@ def recall_latency(session: Any, n: int, seed: int) -> dict[str, float]:
     """p50/p99 ms of whole recalls, and p99 of their two parts: index search and KV fetch from disk."""
     memory, cfg = session.memory, session.cfg
     rng = np.random.default_rng(seed)
-    total, search, fetch = [], [], []
+    total, search, fetch, faults, collecting = [], [], [], [], []
+    gc_seconds = [0.0, 0.0]  # [pause so far, start of the running collection]
+
+    def gc_clock(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_seconds[1] = time.perf_counter()
+        else:
+            gc_seconds[0] += time.perf_counter() - gc_seconds[1]
+
+    gc.callbacks.append(gc_clock)
     for _ in range(n):
         target = int(rng.integers(len(memory)))
         queries = [torch.from_numpy(q) for q in memory._representatives(target)]  # a stored event's own keys
         memory.hot.clear()
         memory.warm.clear()
         t_search = t_fetch = 0.0
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        gc_before = gc_seconds[0]
         for layer in range(memory.num_layers):
             t0 = time.perf_counter()
             ids = select_events(memory, layer, queries[layer], cfg.recall, cfg.segmentation.min_event)
             t1 = time.perf_counter()
             memory.gather(layer, ids)
             t_search, t_fetch = t_search + t1 - t0, t_fetch + time.perf_counter() - t1
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults_before)
+        collecting.append(gc_seconds[0] - gc_before)
         total.append(t_search + t_fetch)
         search.append(t_search)
         fetch.append(t_fetch)
+
+    gc.callbacks.remove(gc_clock)
+    slowest = [i for i, t in enumerate(total) if t >= np.percentile(total, 99)]
 
     def ms(values: list[float], q: int) -> float:
         return round(float(np.percentile(values, q)) * 1000, 2)
 
     return {"recall_ms_p50": ms(total, 50), "recall_ms_p99": ms(total, 99),
-            "search_ms_p99": ms(search, 99), "fetch_ms_p99": ms(fetch, 99)}
+            "search_ms_p99": ms(search, 99), "fetch_ms_p99": ms(fetch, 99),
+            # what the slowest 1% of recalls waited on: the disk (major faults) or Python's garbage collector
+            "major_faults_mean": round(float(np.mean(faults)), 2),
+            "major_faults_slowest": round(float(np.mean([faults[i] for i in slowest])), 2),
+            "gc_ms_slowest": round(float(np.mean([collecting[i] for i in slowest])) * 1000, 2)}
 
 
 def main() -> None:
@@ -176,15 +199,16 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16
         "",
         "| tokens | events | tokens/s | peak RSS MB | anonymous RSS max MB | of which hot + warm caches max MB |"
         " file-backed RSS MB | disk B/token | disk / fp16 KV | recall p50 ms | recall p99 ms | search / fetch p99 ms |"
-        " index |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " major faults per recall: mean / slowest 1% | GC ms in the slowest 1% | index |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['tokens']:,} | {r['events']:,} | {r['tokens_per_s']} | {r['peak_rss_mb']} | "
                      f"{r.get('anon_rss_max_mb', 'n/a')} | {r.get('cache_max_mb', 'n/a')} | {r.get('file_rss_mb', 'n/a')} | "
                      f"{r['disk_bytes_per_token']} | {r['disk_vs_fp16_kv']} | {r['recall_ms_p50']} | "
                      f"{r['recall_ms_p99']} | {r.get('search_ms_p99', 'n/a')} / {r.get('fetch_ms_p99', 'n/a')} | "
-                     f"{r['index']} |")
+                     f"{r.get('major_faults_mean', 'n/a')} / {r.get('major_faults_slowest', 'n/a')} | "
+                     f"{r.get('gc_ms_slowest', 'n/a')} | {r['index']} |")
     if len(rows) >= 2:
         first, last = rows[0], rows[-1]
         # The targets: RSS against the row nearest a tenth of the length (1M for 10M), latency against the first.
