@@ -53,6 +53,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in {name}.json and run only the missing ones")
+    parser.add_argument("--merge", nargs="+", default=[], metavar="NAME",
+                        help="also keep the runs of {NAME}.json (an evaluation run in another process, on other "
+                             "tasks or lengths): they count as done and are saved under --name")
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.samples = [QUICK_LENGTH], 1
@@ -60,7 +63,12 @@ def main() -> None:
 
     model, tokenizer, model_id = load_pretrained(ModelConfig(name_or_path=args.model))
     models = Models(model, tokenizer, model_id)
-    runs, commands = previous_runs(args, model_id) if args.resume else ([], [])
+    runs, commands = previous_runs(args.out / f"{args.name}.json", model_id) if args.resume else ([], [])
+    for name in args.merge:
+        merged, merged_commands = previous_runs(args.out / f"{name}.json", model_id, must_exist=True)
+        done = {_key(r) for r in runs}
+        runs += [r for r in merged if _key(r) not in done]
+        commands += [c for c in merged_commands if c not in commands]
     commands.append(" ".join(["python benchmarks/evaluate.py", *_argv(args)]))
     try:
         run_grid(args, models, model_id, runs, commands)
@@ -75,7 +83,7 @@ def run_grid(args: argparse.Namespace, models: Models, model_id: str, runs: list
              commands: list[str]) -> None:
     """Every missing (length, task, seed, system) run, shortest length first; results saved after each."""
     tokenizer = models.tokenizer
-    done = {(r["task"], r["system"], r["length"], r["seed"]) for r in runs}
+    done = {_key(r) for r in runs}
     for length in sorted(args.lengths):
         for task in args.tasks:
             for seed in range(args.samples):
@@ -95,10 +103,15 @@ def run_grid(args: argparse.Namespace, models: Models, model_id: str, runs: list
                     save(args, model_id, runs, commands)
 
 
-def previous_runs(args: argparse.Namespace, model_id: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """The runs and commands of an earlier evaluation under the same name, for --resume."""
-    path = args.out / f"{args.name}.json"
+def _key(run: dict[str, Any]) -> tuple[str, str, int, int]:
+    return run["task"], run["system"], run["length"], run["seed"]
+
+
+def previous_runs(path: Path, model_id: str, must_exist: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
+    """The runs and commands of an earlier evaluation (for --resume and --merge)."""
     if not path.exists():
+        if must_exist:
+            raise SystemExit(f"{path} does not exist (--merge names a results file without .json)")
         return [], []
     payload = json.loads(path.read_text())
     if payload.get("model") != model_id:
@@ -209,7 +222,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
     if args.quick:
         return ["--quick", *name]
     return [*name, "--tasks", *args.tasks, "--systems", *args.systems, "--lengths", *map(str, args.lengths),
-            "--samples", str(args.samples), "--full-max", str(args.full_max), *(["--resume"] if args.resume else [])]
+            "--samples", str(args.samples), "--full-max", str(args.full_max), *(["--resume"] if args.resume else []),
+            *(["--merge", *args.merge] if args.merge else [])]
 
 
 if __name__ == "__main__":

@@ -59,3 +59,14 @@ def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
     resumed = json.loads(path.read_text())
     assert len(resumed["runs"]) == len(runs) and len(resumed["commands"]) == 2
     assert {(r["task"], r["system"]) for r in resumed["runs"]} == {(r["task"], r["system"]) for r in runs}
+
+    # --merge folds in the runs of another process's results: split them, and merging runs nothing new
+    moved = [r for r in resumed["runs"] if r["task"] == "conversation"]
+    (tmp_path / "other.json").write_text(json.dumps({**resumed, "runs": moved, "commands": ["other command"]}))
+    path.write_text(json.dumps({**resumed, "runs": [r for r in resumed["runs"] if r not in moved]}))
+    out = subprocess.run([sys.executable, "evaluate.py", "--quick", "--resume", "--merge", "other", "--out",
+                          str(tmp_path), "--name", "quick"], cwd=BENCHMARKS, check=True, capture_output=True,
+                         text=True, timeout=600).stdout
+    merged = json.loads(path.read_text())
+    assert "seed 0: score" not in out and len(merged["runs"]) == len(runs)
+    assert "other command" in merged["commands"] and "`other command`" in (tmp_path / "quick.md").read_text()
