@@ -12,7 +12,9 @@ interval, peak RSS, disk bytes per token (and as a fraction of the fp16 KV it st
 latency of one recall (index search + fetch of the chosen events' KV for every layer, caches
 emptied first so the disk tier is read), p50 and p99 over --recalls queries, with the p99 of the
 search and the fetch parts apart, and what the slowest 1% of recalls waited on: major page faults
-(reads the page cache could not serve) and Python's garbage collector.
+(reads the page cache could not serve) and Python's garbage collector. Then --cold-recalls recalls
+from a store evicted from the page cache (as after a reboot, or a store larger than RAM), with the
+cold tier's read-ahead (`store.read_ahead`) on and off in turns on the same queries.
 
     python benchmarks/scale.py --tokens 10000000
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import resource
 import shutil
 import signal
@@ -115,12 +118,52 @@ def recall_latency(session: Any, n: int, seed: int) -> dict[str, float]:
             "gc_ms_slowest": round(float(np.mean([collecting[i] for i in slowest])) * 1000, 2)}
 
 
+def evict_from_page_cache(directory: Path) -> None:
+    """Drop the store's segment files from the kernel's page cache (clean pages: a commit has synced them)."""
+    for path in directory.rglob("*.seg"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cold_recall_latency(session: Any, n: int, seed: int, store: Path) -> dict[str, float]:
+    """p50/p99 ms of recalls from a store out of the page cache (after a reboot, or larger than RAM),
+    with the cold tier's read-ahead on and off in turns on the same queries."""
+    memory, cfg = session.memory, session.cfg
+    rng = np.random.default_rng(seed)
+    total: dict[bool, list[float]] = {True: [], False: []}
+    for pair in range(n):
+        target = int(rng.integers(len(memory)))
+        queries = [torch.from_numpy(q) for q in memory._representatives(target)]
+        for read_ahead in ((True, False) if pair % 2 == 0 else (False, True)):
+            memory.hot.clear()
+            memory.warm.clear()
+            evict_from_page_cache(store)
+            memory.read_ahead = read_ahead
+            t0 = time.perf_counter()
+            for layer in range(memory.num_layers):
+                memory.gather(layer, select_events(memory, layer, queries[layer], cfg.recall,
+                                                   cfg.segmentation.min_event))
+            total[read_ahead].append(time.perf_counter() - t0)
+    memory.read_ahead = cfg.store.read_ahead
+
+    def ms(values: list[float], q: int) -> float:
+        return round(float(np.percentile(values, q)) * 1000, 2)
+
+    return {"cold_ms_p50": ms(total[True], 50), "cold_ms_p99": ms(total[True], 99),
+            "cold_no_read_ahead_ms_p50": ms(total[False], 50), "cold_no_read_ahead_ms_p99": ms(total[False], 99)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=10_000_000)
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
     parser.add_argument("--codec", default="int8", choices=["fp16", "int8", "int4", "int2"])
     parser.add_argument("--recalls", type=int, default=200)
+    parser.add_argument("--cold-recalls", type=int, default=50,
+                        help="recalls from a store evicted from the page cache, each with read-ahead on and off")
     parser.add_argument("--hot-mib", type=int, default=None, help="store.hot_bytes in MiB (default: the config's)")
     parser.add_argument("--warm-mib", type=int, default=None, help="store.warm_bytes in MiB (default: the config's)")
     parser.add_argument("--min-event", type=int, default=32)
@@ -162,6 +205,8 @@ def main() -> None:
                 session.commit()
                 now = time.perf_counter()
                 latency = recall_latency(session, args.recalls, seed=done)
+                if args.cold_recalls:
+                    latency |= cold_recall_latency(session, args.cold_recalls, done, store)
                 disk = session.store_memory.store.disk_bytes()
                 anon, file_backed = rss_split_mb()
                 anon_max = max(anon_max, anon)
@@ -199,8 +244,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16
         "",
         "| tokens | events | tokens/s | peak RSS MB | anonymous RSS max MB | of which hot + warm caches max MB |"
         " file-backed RSS MB | disk B/token | disk / fp16 KV | recall p50 ms | recall p99 ms | search / fetch p99 ms |"
-        " major faults per recall: mean / slowest 1% | GC ms in the slowest 1% | index |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " major faults per recall: mean / slowest 1% | GC ms in the slowest 1% |"
+        " cold store, recall p50 / p99 ms: read-ahead | without | index |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['tokens']:,} | {r['events']:,} | {r['tokens_per_s']} | {r['peak_rss_mb']} | "
@@ -208,7 +254,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16
                      f"{r['disk_bytes_per_token']} | {r['disk_vs_fp16_kv']} | {r['recall_ms_p50']} | "
                      f"{r['recall_ms_p99']} | {r.get('search_ms_p99', 'n/a')} / {r.get('fetch_ms_p99', 'n/a')} | "
                      f"{r.get('major_faults_mean', 'n/a')} / {r.get('major_faults_slowest', 'n/a')} | "
-                     f"{r.get('gc_ms_slowest', 'n/a')} | {r['index']} |")
+                     f"{r.get('gc_ms_slowest', 'n/a')} | {r.get('cold_ms_p50', 'n/a')} / {r.get('cold_ms_p99', 'n/a')} | "
+                     f"{r.get('cold_no_read_ahead_ms_p50', 'n/a')} / {r.get('cold_no_read_ahead_ms_p99', 'n/a')} | "
+                     f"{r['index']} |")
     if len(rows) >= 2:
         first, last = rows[0], rows[-1]
         # The targets: RSS against the row nearest a tenth of the length (1M for 10M), latency against the first.

@@ -210,6 +210,11 @@ class StoreConfig(_Strict):
         default="auto",
         description="Decode the next layer's recalled blocks in the background; 'auto' turns it on for CUDA devices.",
     )
+    read_ahead: bool = Field(
+        default=True,
+        description="Ask the kernel for all of a layer's cold blobs at once before reading them (one disk wait, "
+        "not one per blob, when the store is not in the page cache).",
+    )
     segment_bytes: int = Field(default=256 * 2**20, ge=2**16, description="Size at which a segment file is closed.")
     commit_tokens: int = Field(
         default=16_384, ge=1, description="Ingested tokens between two commits (the most a crash can lose)."

@@ -276,3 +276,22 @@ def test_read_copy_leaves_no_mapped_pages_resident(tmp_path: Path) -> None:
     assert bytes(view[:8]) and _mapped_rss_kb(tmp_path) > 0
     view.release()
     log.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+def test_will_need_fills_no_process_pages_and_refuses_bad_references(tmp_path: Path) -> None:
+    log = SegmentLog(tmp_path, max_segment_bytes=200_000)
+    refs = [log.append(blob(i, 5_000)) for i in range(100)]  # three files
+    log.sync()
+    log.will_need([next(r for r in refs if r.segment == n) for n in (1, 2, 3)])  # maps each file
+    mapped = _mapped_rss_kb(tmp_path)  # each map's header check: its first page and the pages around it
+    log.will_need(refs)
+    assert _mapped_rss_kb(tmp_path) == mapped  # the kernel reads into its page cache, not into this process
+    assert [log.read_copy(ref) for ref in refs] == [blob(i, 5_000) for i in range(100)]
+    with pytest.raises(SegmentError, match="missing"):
+        log.will_need([BlobRef(99, refs[0].offset, 10, 0)])
+    with pytest.raises(SegmentError, match="reference ends"):
+        log.will_need([BlobRef(1, refs[0].offset, 10**9, 0)])
+    log.close()
+    with pytest.raises(SegmentError, match="closed"):
+        log.will_need(refs[:1])

@@ -311,3 +311,30 @@ def test_prefetching_the_next_layer_changes_nothing(tmp_path):
             assert (s.store_memory._prefetcher is not None) == (prefetch == "on")
         lm.close()
     assert answers[0] == answers[1]
+
+
+def test_read_ahead_asks_for_the_cold_blobs_only_and_changes_nothing(tmp_path, monkeypatch):
+    answers, asked = [], []
+    for read_ahead in (False, True):
+        cfg = CFG.model_copy(update={"store": CFG.store.model_copy(update={"read_ahead": read_ahead})})
+        _, lm = tiny_pair("llama", cfg)
+        with lm.session(store=tmp_path / str(read_ahead)) as s:
+            s.ingest(_text(700))
+            memory = s.store_memory
+            real = memory.segments.will_need
+
+            def spy(refs, real=real, memory=memory):
+                refs = list(refs)
+                # every asked-for blob is on disk and in no cache
+                cached = {(memory._segment[i], memory._offset[i]) for i in memory.warm._items}
+                assert refs and not {(r.segment, r.offset) for r in refs} & cached
+                asked.append(len(refs))
+                real(refs)
+
+            monkeypatch.setattr(memory.segments, "will_need", spy)
+            memory.warm.clear()
+            memory.hot.clear()
+            answers.append(s.generate_ids([1, 2, 3], max_new_tokens=10))
+        lm.close()
+        assert bool(asked) == read_ahead
+    assert answers[0] == answers[1]

@@ -312,6 +312,7 @@ class NamespaceMemory:
         prefetch = cfg.prefetch == "on" or (cfg.prefetch == "auto" and device.type == "cuda")
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="engramkv-prefetch") if prefetch else None
         self._prefetching: Future[None] | None = None
+        self.read_ahead = cfg.read_ahead
         self._lock = threading.Lock()
 
     def _append_columns(self, start: int, end: int, segment: int, offset: int, length: int, crc: int,
@@ -388,6 +389,8 @@ class NamespaceMemory:
         if self._prefetching is not None:
             self._prefetching.result()  # the worker fills the same caches; let it finish first
             self._prefetching = None
+        if self.read_ahead:
+            self._read_ahead(layer, event_ids)
         blocks = [self._layer_kv(event_id, layer) for event_id in event_ids]
         if self._prefetcher is not None and layer + 1 < self.num_layers and event_ids:
             # The next layer usually recalls mostly the same events: decode them while this layer attends.
@@ -396,6 +399,15 @@ class NamespaceMemory:
             empty = torch.empty(self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
             return empty, empty
         return torch.cat([k for k, _ in blocks], dim=1), torch.cat([v for _, v in blocks], dim=1)
+
+    def _read_ahead(self, layer: int, event_ids: list[int]) -> None:
+        cold = [BlobRef(self._segment[i], self._offset[i], self._length[i], self._crc[i]) for i in event_ids
+                if (i, layer) not in self.hot and i not in self.warm and i not in self._overlay]
+        if len(cold) > 1:  # one blob gains nothing from being asked for twice
+            try:
+                self.segments.will_need(cold)
+            except SegmentError as err:
+                raise StoreCorruptError(f"namespace {'/'.join(self.names)}: {err}") from err
 
     def _warm_up(self, layer: int, event_ids: list[int]) -> None:
         for event_id in event_ids:
