@@ -109,9 +109,9 @@ class LayerIndexes:
 
         Each flat index is dropped before its IVF is trained: holding it beside its own vectors was the
         largest transient of a long ingest (measured at 50k events of the scale model: peak RSS +79 MB
-        over the RSS before the rebuild with it held, +57 MB without). An interruption keeps the index being rebuilt
-        flat and whole; the layers done stay IVF with their row of `centres` (zeros while flat), and
-        the next add finishes the rebuild.
+        over the RSS before the rebuild with it held, +57 MB without). An interruption keeps the index
+        being rebuilt flat and whole; the layers done stay IVF with their row of `centres` (zeros while
+        flat), and the next add finishes the rebuild.
         """
         if self.centres is None:
             self.centres = np.zeros((self.num_layers, self.dim), dtype=np.float32)
