@@ -6,7 +6,8 @@
     python benchmarks/passkey_file.py --ask /tmp/pk1m/store              # passkey.py's own prompt
 
 `engramkv ask` is a chat turn; `--ask STORE` continues the benchmark's prompt ("... What is the pass
-key? The pass key is") as passkey.py does, from the store opened read-only. The key is printed (and nowhere else but in the text), so the answer can be checked by eye or script.
+key? The pass key is") as passkey.py does, from the store opened read-only. The key is printed (and
+nowhere else but in the text), so the answer can be checked by eye or script.
 `--tokens` counts tokens of the embedded model's tokenizer, like passkey.py's lengths.
 """
 

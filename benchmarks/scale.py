@@ -107,15 +107,17 @@ def recall_latency(session: Any, n: int, seed: int) -> dict[str, float]:
     gc.callbacks.remove(gc_clock)
     slowest = [i for i, t in enumerate(total) if t >= np.percentile(total, 99)]
 
-    def ms(values: list[float], q: int) -> float:
-        return round(float(np.percentile(values, q)) * 1000, 2)
-
-    return {"recall_ms_p50": ms(total, 50), "recall_ms_p99": ms(total, 99),
-            "search_ms_p99": ms(search, 99), "fetch_ms_p99": ms(fetch, 99),
+    return {"recall_ms_p50": _ms(total, 50), "recall_ms_p99": _ms(total, 99),
+            "search_ms_p99": _ms(search, 99), "fetch_ms_p99": _ms(fetch, 99),
             # what the slowest 1% of recalls waited on: the disk (major faults) or Python's garbage collector
             "major_faults_mean": round(float(np.mean(faults)), 2),
             "major_faults_slowest": round(float(np.mean([faults[i] for i in slowest])), 2),
             "gc_ms_slowest": round(float(np.mean([collecting[i] for i in slowest])) * 1000, 2)}
+
+
+def _ms(values: list[float], q: int) -> float:
+    """The q-th percentile of `values` (seconds) in milliseconds."""
+    return round(float(np.percentile(values, q)) * 1000, 2)
 
 
 def evict_from_page_cache(directory: Path) -> None:
@@ -149,11 +151,8 @@ def cold_recall_latency(session: Any, n: int, seed: int, store: Path) -> dict[st
             total[read_ahead].append(time.perf_counter() - t0)
     memory.read_ahead = cfg.store.read_ahead
 
-    def ms(values: list[float], q: int) -> float:
-        return round(float(np.percentile(values, q)) * 1000, 2)
-
-    return {"cold_ms_p50": ms(total[True], 50), "cold_ms_p99": ms(total[True], 99),
-            "cold_no_read_ahead_ms_p50": ms(total[False], 50), "cold_no_read_ahead_ms_p99": ms(total[False], 99)}
+    return {"cold_ms_p50": _ms(total[True], 50), "cold_ms_p99": _ms(total[True], 99),
+            "cold_no_read_ahead_ms_p50": _ms(total[False], 50), "cold_no_read_ahead_ms_p99": _ms(total[False], 99)}
 
 
 def main() -> None:

@@ -125,10 +125,7 @@ class SegmentLog:
         if ref.offset < HEADER_SIZE + _RECORD.size or ref.length < 0:
             raise SegmentError(f"invalid reference {ref}")
         end = ref.offset + ref.length
-        mm = self._maps.get(ref.segment)
-        if mm is None or len(mm) < end:  # not mapped yet, or the file grew since it was mapped
-            mm = self._map(ref.segment, end)
-        view = memoryview(mm)[ref.offset : end]
+        view = memoryview(self._mapped(ref.segment, end))[ref.offset : end]
         if verify and zlib.crc32(view) != ref.checksum:
             raise ChecksumMismatch(f"checksum mismatch for {ref}")
         return view
@@ -168,9 +165,7 @@ class SegmentLog:
             return
         for ref in refs:
             end = ref.offset + ref.length
-            mm = self._maps.get(ref.segment)
-            if mm is None or len(mm) < end:
-                mm = self._map(ref.segment, end)
+            mm = self._mapped(ref.segment, end)
             start = ref.offset // mmap.PAGESIZE * mmap.PAGESIZE
             if end > start:
                 mm.madvise(mmap.MADV_WILLNEED, start, end - start)
@@ -276,6 +271,13 @@ class SegmentLog:
         if not self.directory.is_dir():
             return []
         return sorted(int(m.group(1)) for name in os.listdir(self.directory) if (m := _NAME.match(name)))
+
+    def _mapped(self, segment: int, need: int) -> mmap.mmap:
+        """The cached map of `segment`, mapped again if the file grew past it since (`need`: bytes required)."""
+        mm = self._maps.get(segment)
+        if mm is None or len(mm) < need:
+            mm = self._map(segment, need)
+        return mm
 
     def _map(self, segment: int, need: int) -> mmap.mmap:
         path = self._path(segment)

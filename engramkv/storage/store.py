@@ -401,7 +401,7 @@ class NamespaceMemory:
         return torch.cat([k for k, _ in blocks], dim=1), torch.cat([v for _, v in blocks], dim=1)
 
     def _read_ahead(self, layer: int, event_ids: list[int]) -> None:
-        cold = [BlobRef(self._segment[i], self._offset[i], self._length[i], self._crc[i]) for i in event_ids
+        cold = [self._ref(i) for i in event_ids
                 if (i, layer) not in self.hot and i not in self.warm and i not in self._overlay]
         if len(cold) > 1:  # one blob gains nothing from being asked for twice
             try:
@@ -436,7 +436,7 @@ class NamespaceMemory:
             return blob
         if event_id in self._overlay:
             return self._overlay[event_id]
-        ref = BlobRef(self._segment[event_id], self._offset[event_id], self._length[event_id], self._crc[event_id])
+        ref = self._ref(event_id)
         try:
             blob = self.segments.read_copy(ref)  # a copy: the warm tier must not pin the map (recovery truncates)
         except SegmentError as err:
@@ -445,6 +445,9 @@ class NamespaceMemory:
             raise StoreCorruptError(f"event {event_id} of {'/'.join(self.names)}: checksum mismatch on disk")
         self.warm.put(event_id, blob)
         return blob
+
+    def _ref(self, event_id: int) -> BlobRef:
+        return BlobRef(self._segment[event_id], self._offset[event_id], self._length[event_id], self._crc[event_id])
 
     def _representatives(self, event_id: int) -> np.ndarray:  # (layers, F)
         n = self._end[event_id] - self._start[event_id]
