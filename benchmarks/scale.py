@@ -167,6 +167,8 @@ def main() -> None:
     parser.add_argument("--warm-mib", type=int, default=None, help="store.warm_bytes in MiB (default: the config's)")
     parser.add_argument("--min-event", type=int, default=32)
     parser.add_argument("--store", type=Path, default=None, help="store directory (default: a temporary one)")
+    parser.add_argument("--keep-free-heap", action="store_true",
+                        help="store.release_free_memory=False: leave freed C heap in the process (for comparison)")
     parser.add_argument("--name", default="scale")
     args = parser.parse_args()
 
@@ -177,6 +179,7 @@ def main() -> None:
         codec=args.codec,
         hot_bytes=defaults.hot_bytes if args.hot_mib is None else args.hot_mib * 2**20,
         warm_bytes=defaults.warm_bytes if args.warm_mib is None else args.warm_mib * 2**20,
+        release_free_memory=not args.keep_free_heap,
     )
     config = EngineConfig(store=store_config, segmentation=SegmentationConfig(min_event=args.min_event))
     lm = EpisodicLM(small_model(), IdTokenizer(), "scale-llama-4x128", config)
@@ -239,7 +242,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16
     lines = [
         f"# Scale ({spec.model_id}: {spec.num_layers} layers, {spec.num_kv_heads} KV heads x {spec.head_dim}; "
         f"codec {args.codec}; fp16 KV = {fp16} B/token; caches hot {args.hot_mib or 'default'} MiB, "
-        f"warm {args.warm_mib or 'default'} MiB)",
+        f"warm {args.warm_mib or 'default'} MiB; free heap {'kept' if args.keep_free_heap else 'released'} at commits)",
         "",
         "| tokens | events | tokens/s | peak RSS MB | anonymous RSS max MB | of which hot + warm caches max MB |"
         " file-backed RSS MB | disk B/token | disk / fp16 KV | recall p50 ms | recall p99 ms | search / fetch p99 ms |"

@@ -178,7 +178,7 @@ class IndexConfig(_Strict):
     """The per-layer FAISS indexes of a persistent store."""
 
     ivf_min_events: int = Field(
-        default=50_000, ge=16, description="Events per namespace past which the flat index is rebuilt as IVF-SQ8."
+        default=50_000, ge=16, description="Events per namespace past which the flat index is rebuilt as IVF (`ivf_codec`)."
     )
     ivf_lists_per_sqrt: float = Field(default=4.0, gt=0, description="IVF lists = this * sqrt(events) at rebuild.")
     ivf_nprobe: int = Field(default=32, ge=1, description="IVF lists scanned per search.")
@@ -218,6 +218,11 @@ class StoreConfig(_Strict):
     segment_bytes: int = Field(default=256 * 2**20, ge=2**16, description="Size at which a segment file is closed.")
     commit_tokens: int = Field(
         default=16_384, ge=1, description="Ingested tokens between two commits (the most a crash can lose)."
+    )
+    release_free_memory: bool = Field(
+        default=True,
+        description="After each commit, hand the C heap's free pages back to the OS (glibc malloc_trim; nothing "
+        "elsewhere): memory FAISS and torch freed otherwise stays in the process's resident set.",
     )
     index_save_events: int = Field(
         default=2_000, ge=1, description="New events between two index saves (a lagging index is caught up on open)."

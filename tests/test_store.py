@@ -338,3 +338,17 @@ def test_read_ahead_asks_for_the_cold_blobs_only_and_changes_nothing(tmp_path, m
         lm.close()
         assert bool(asked) == read_ahead
     assert answers[0] == answers[1]
+
+
+def test_each_commit_hands_free_heap_back_unless_turned_off(tmp_path, monkeypatch):
+    for release in (True, False):
+        calls = []
+        monkeypatch.setattr("engramkv.storage.store.release_free_heap", lambda calls=calls: calls.append(1))
+        cfg = CFG.model_copy(update={"store": CFG.store.model_copy(update={"release_free_memory": release})})
+        _, lm = tiny_pair("llama", cfg)
+        with lm.session(store=tmp_path / str(release)) as s:
+            s.ingest(_text(300))
+            s.commit()
+            s.commit()
+        lm.close()
+        assert (len(calls) >= 2) == release and (not calls) == (not release)

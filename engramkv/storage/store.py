@@ -56,6 +56,7 @@ from engramkv.retrieval import key_match
 from engramkv.storage import catalog as cat
 from engramkv.storage.codec import Codec, decode_layer, encode_layers, layer_nbytes
 from engramkv.storage.durable import replace_durably
+from engramkv.storage.heap import release_free_heap
 from engramkv.storage.index import LayerIndexes
 from engramkv.storage.segments import BlobRef, SegmentError, SegmentLog
 from engramkv.storage.tiers import LRUBytes
@@ -495,6 +496,8 @@ class NamespaceMemory:
             (self.dir / old).unlink(missing_ok=True)
         if len(self) - self._index_saved_at >= self.cfg.index_save_events:
             self.save_index()
+        if self.cfg.release_free_memory:
+            release_free_heap()
 
     def save_index(self) -> None:
         if self.writable and self.committed_events == len(self):
