@@ -10,7 +10,7 @@ Two child processes add the same random representatives one event at a time (as 
 `LayerIndexes` of the given sizes (default: the scale benchmark's model, 4 layers x 64 dims, a 256-dim
 summary), one releasing the free heap every --every events (the scale model commits about every 600),
 one never. Reported at each checkpoint: resident MB over the child's start, its peak (VmHWM), and the
-indexes' serialized size (their content, without spare capacity).
+indexes' content (the bytes of their codes and ids, without the lists' spare capacity).
 
     python benchmarks/index_memory.py [--events 268000] [--every 600]
 """
