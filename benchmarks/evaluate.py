@@ -69,7 +69,9 @@ def main() -> None:
         done = {_key(r) for r in runs}
         runs += [r for r in merged if _key(r) not in done]
         commands += [c for c in merged_commands if c not in commands]
-    commands.append(" ".join(["python benchmarks/evaluate.py", *_argv(args)]))
+    command = " ".join(["python benchmarks/evaluate.py", *_argv(args)])
+    if command not in commands:  # a merge run again adds no second copy of itself
+        commands.append(command)
     try:
         run_grid(args, models, model_id, runs, commands)
     except KeyboardInterrupt:
@@ -116,7 +118,7 @@ def previous_runs(path: Path, model_id: str, must_exist: bool = False) -> tuple[
     payload = json.loads(path.read_text())
     if payload.get("model") != model_id:
         raise SystemExit(f"{path} holds runs of {payload.get('model')}, not {model_id}: use another --name")
-    return payload["runs"], payload.get("commands", [])
+    return payload["runs"], list(dict.fromkeys(payload.get("commands", [])))  # older files repeat a merge command
 
 
 def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], commands: list[str],
