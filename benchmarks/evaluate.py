@@ -70,7 +70,7 @@ def main() -> None:
         runs += [r for r in merged if _key(r) not in done]
         commands += [c for c in merged_commands if c not in commands]
     command = " ".join(["python benchmarks/evaluate.py", *_argv(args)])
-    if command not in commands:  # a merge run again adds no second copy of itself
+    if command not in commands:  # the same command run again (a resume, a merge) is listed once
         commands.append(command)
     try:
         run_grid(args, models, model_id, runs, commands)
@@ -155,8 +155,9 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
             if not mine:
                 continue
             ingest = [r["context_tokens"] / r["ingest_s"] for r in mine if r["ingest_s"] > 0]
+            ingest_cell = f"{_mean(ingest):,.0f}" if ingest else "-"  # full attention reads no stream first
             lines.append(
-                f"| {system} | {n:,} | {_mean(ingest):,.0f} | {_mean([r['first_token_s'] for r in mine]):.2f} | "
+                f"| {system} | {n:,} | {ingest_cell} | {_mean([r['first_token_s'] for r in mine]):.2f} | "
                 f"{_mean([r['decode_tokens_per_s'] for r in mine]):.1f} | "
                 f"{max(r['peak_rss_mb'] - r.get('rss_before_mb', 0.0) for r in mine):,.0f} |"
             )
