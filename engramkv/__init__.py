@@ -6,9 +6,9 @@
     s.chat("Who wrote the letter?")
 """
 
-from engramkv.agent.model import EpisodicLM
-from engramkv.agent.results import IngestReport, RecalledEvent
-from engramkv.agent.session import Session
+from engramkv.lm import EpisodicLM
+from engramkv.results import IngestReport, RecalledEvent
+from engramkv.session import Session
 from engramkv.config import (
     EngineConfig,
     GenerationConfig,

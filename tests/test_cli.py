@@ -102,7 +102,7 @@ def test_ctrl_c_then_the_same_command_resumes(tmp_path, capsys, monkeypatch):
 
     doc = _doc(tmp_path / "doc.txt", n=1500)
     store = str(tmp_path / "store")
-    from engramkv.agent.session import Session
+    from engramkv.session import Session
 
     real = Session.ingest_file
     chunks = [0]

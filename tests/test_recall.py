@@ -3,7 +3,7 @@ import torch
 from engramkv.config import RecallConfig
 from engramkv.memory.events import Event, InMemoryEventMemory
 from engramkv.retrieval.recall import select_events
-from engramkv.retrieval.window import assemble, lower_right_causal_mask, resident_columns, window_positions
+from engramkv.engine.window import assemble, lower_right_causal_mask, resident_columns, window_positions
 
 
 def _memory(lengths, hot=None):

@@ -107,7 +107,7 @@ def _all_tokens(session):
 
 
 def test_recall_runs_for_the_prompt_and_every_decode_interval(monkeypatch):
-    from engramkv.agent import engine
+    from engramkv.engine import state as engine
 
     _, lm = tiny_pair("llama", CFG)
     session = lm.session()
@@ -123,7 +123,7 @@ def test_recall_runs_for_the_prompt_and_every_decode_interval(monkeypatch):
 
 @pytest.mark.parametrize("positions", ["contiguous", "fixed"])
 def test_window_positions_stay_inside_the_trained_length(monkeypatch, positions):
-    from engramkv.agent import engine
+    from engramkv.engine import state as engine
 
     cfg = CFG.model_copy(update={"recall": CFG.recall.model_copy(update={"positions": positions})})
     _, lm = tiny_pair("llama", cfg)

@@ -33,7 +33,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from engramkv import EngineConfig, EpisodicLM
 from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig
-from engramkv.retrieval.key_match import match_span
+from engramkv.retrieval.question import match_span
 from evalkit.tasks import Sample
 
 MAX_NEW_TOKENS = 64  # a UUID is ~30 tokens, four 7-digit numbers as a list ~45

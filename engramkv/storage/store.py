@@ -40,7 +40,7 @@ import torch
 from sqlalchemy import delete, func, insert, select
 from sqlalchemy.orm import Session as DbSession
 
-from engramkv.config import RecallConfig, StoreConfig
+from engramkv.config import StoreConfig
 from engramkv.errors import (
     NamespaceError,
     ReadOnlyError,
@@ -50,9 +50,9 @@ from engramkv.errors import (
     StoreLockedError,
     StoreMismatchError,
 )
-from engramkv.hf import ModelSpec
+from engramkv.spec import ModelSpec
 from engramkv.memory.events import Event
-from engramkv.retrieval import key_match
+from engramkv.memory.summary import key_summary
 from engramkv.storage import catalog as cat
 from engramkv.storage.codec import Codec, decode_layer, encode_layers, layer_nbytes
 from engramkv.storage.durable import replace_durably
@@ -177,12 +177,11 @@ class EventStore:
     # ------------------------------------------------------------------ namespaces
     def namespace(
         self, user_id: str = DEFAULT_NAME, agent_id: str = DEFAULT_NAME, session_id: str = DEFAULT_NAME,
-        device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-        summary_layers: Sequence[int] | None = None,
+        *, summary_layers: Sequence[int], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
     ) -> NamespaceMemory:
         """The event memory of one stream; created on first use (read-only stores only open existing ones).
 
-        summary_layers: the layers of the events' key summaries (default: as `RecallConfig` says).
+        summary_layers: the layers of the events' key summaries (`memory.summary.summary_layer_ids`).
         """
         names = (check_name("user_id", user_id), check_name("agent_id", agent_id),
                  check_name("session_id", session_id))
@@ -199,8 +198,6 @@ class EventStore:
             ns_id = row.id
         if ns_id in self._open:
             raise StoreError(f"namespace {'/'.join(names)} is already open in this process (one stream, one session)")
-        if summary_layers is None:
-            summary_layers = key_match.summary_layer_ids(self.spec.num_layers, RecallConfig().summary_layers)
         memory = NamespaceMemory(self, ns_id, torch.device(device), dtype, list(summary_layers))
         self._open[ns_id] = memory
         return memory
@@ -457,7 +454,7 @@ class NamespaceMemory:
 
     def _key_summary(self, event_id: int) -> np.ndarray:  # (S,) from the stored keys
         keys = torch.stack([self._decode(event_id, layer)[0] for layer in self.summary_layers])  # (S, Hkv, n, D)
-        return key_match.key_summary(keys).numpy()
+        return key_summary(keys).numpy()
 
     @property
     def kv_bytes(self) -> int:

@@ -8,7 +8,8 @@ from engramkv import EngineConfig
 from engramkv.config import RecallConfig, SegmentationConfig, WindowConfig
 from engramkv.errors import InputError
 from engramkv.memory.events import Event, InMemoryEventMemory
-from engramkv.retrieval.key_match import answer_events, key_summary, match_question, rerank, summary_layer_ids
+from engramkv.memory.summary import key_summary, summary_layer_ids
+from engramkv.retrieval.question import answer_events, match_question, rerank
 
 from conftest import VOCAB, tiny_pair
 
@@ -218,7 +219,7 @@ def test_a_sentence_cut_in_two_by_a_boundary_beats_a_whole_sentence_about_someth
 
 
 def test_before_question_layout_puts_the_answer_events_between_the_text_and_the_prompt(monkeypatch):
-    import engramkv.agent.engine as engine
+    import engramkv.engine.state as engine
 
     seen: dict[str, list[tuple[int, int, int]]] = {}  # layout -> (memory_at, local text before the prompt, local)
     real = engine.assemble

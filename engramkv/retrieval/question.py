@@ -32,19 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from engramkv.memory.events import EventMemory
+from engramkv.memory.summary import key_summary
 from engramkv.retrieval.recall import add_neighbours
-
-
-def summary_layer_ids(num_layers: int, count: int) -> list[int]:
-    """`count` evenly spaced layers (the middle of `count` equal bands); 0 or too many means all."""
-    if count <= 0 or count >= num_layers:
-        return list(range(num_layers))
-    return [int((i + 0.5) * num_layers / count) for i in range(count)]
-
-
-def key_summary(keys: torch.Tensor) -> torch.Tensor:  # keys (S, Hkv, T, D) -> (S * Hkv * D,)
-    """Mean of the unit-normalised keys over the tokens, per layer and head, flattened."""
-    return F.normalize(keys.float(), dim=-1).mean(dim=2).flatten()
 
 
 def match_span(memory: EventMemory, event_id: int, neighbours: int) -> range:

@@ -8,11 +8,11 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from engramkv import hf
-from engramkv.agent.session import Session
+from engramkv.session import Session
 from engramkv.config import EngineConfig
 from engramkv.errors import ConfigError
 from engramkv.memory.events import EventMemory
-from engramkv.retrieval.key_match import summary_layer_ids
+from engramkv.memory.summary import summary_layer_ids
 from engramkv.storage.store import DEFAULT_NAME, EventStore
 
 

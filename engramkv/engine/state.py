@@ -28,9 +28,10 @@ from engramkv.memory.events import Event, EventMemory
 from engramkv.memory.refinement import refine_boundary, similarity_graph
 from engramkv.memory.segmentation import OnlineSegmenter
 from engramkv.memory.surprise import token_surprise
-from engramkv.retrieval.key_match import key_summary, summary_layer_ids
+from engramkv.memory.summary import key_summary, representative, summary_layer_ids
 from engramkv.retrieval.recall import select_events
-from engramkv.retrieval.window import assemble, lower_right_causal_mask, resident_columns, window_positions
+from engramkv.spec import ModelSpec
+from engramkv.engine.window import assemble, lower_right_causal_mask, resident_columns, window_positions
 
 Mode = Literal["ingest", "prompt", "decode", "probe"]  # prompt = ingest of a question, with the answer budget
 
@@ -65,7 +66,7 @@ class EpisodicState:
         self,
         model: PreTrainedModel,
         rope: hf.Rope,
-        spec: hf.ModelSpec,
+        spec: ModelSpec,
         cfg: EngineConfig,
         memory: EventMemory,
     ):

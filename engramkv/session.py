@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engramkv.agent.documents import check_document, read_text
-from engramkv.agent.engine import EpisodicState
-from engramkv.agent.results import IngestReport, RecalledEvent, SessionStats
+from engramkv.documents import check_document, read_text
+from engramkv.engine.state import EpisodicState
+from engramkv.results import IngestReport, RecalledEvent, SessionStats
 from engramkv.config import EngineConfig
 from engramkv.errors import ConfigError, EmptyInputError, InputError, ReadOnlyError, SessionError
 from engramkv.memory.events import EventMemory, InMemoryEventMemory
-from engramkv.retrieval.key_match import answer_events, match_question, match_span, token_match
+from engramkv.retrieval.question import answer_events, match_question, match_span, token_match
 from engramkv.storage.store import DocumentProgress, NamespaceMemory
 
 if TYPE_CHECKING:
-    from engramkv.agent.model import EpisodicLM
+    from engramkv.lm import EpisodicLM
 
 ProgressCallback = Callable[[int, int], None]  # (tokens ingested so far, events sealed so far)
 

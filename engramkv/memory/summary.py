@@ -1,0 +1,40 @@
+"""How an event is summarised for search: representatives (reading recall) and key summaries (questions).
+
+- Representative, one per layer: the mean of the pre-RoPE keys of the `keys_per_head` tokens that
+  received the most attention while the event sat in the local window, per KV head, concatenated over
+  heads: `r = concat_h mean_{t in top_r(a_h)} k_{h,t}`, shape (Hkv * D,). A reading query scores it by
+  inner product (`retrieval.recall`).
+- Key summary, one per event: for a few evenly spaced layers (`summary_layer_ids`), the mean of the
+  event's unit-normalised keys per head, flattened, shape (S * Hkv * D,). A question's tokens get
+  the same summary, and the inner product ranks the events (`retrieval.question`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def summary_layer_ids(num_layers: int, count: int) -> list[int]:
+    """`count` evenly spaced layers (the middle of `count` equal bands); 0 or too many means all."""
+    if count <= 0 or count >= num_layers:
+        return list(range(num_layers))
+    return [int((i + 0.5) * num_layers / count) for i in range(count)]
+
+
+def key_summary(keys: torch.Tensor) -> torch.Tensor:  # keys (S, Hkv, T, D) -> (S * Hkv * D,)
+    """Mean of the unit-normalised keys over the tokens, per layer and head, flattened."""
+    return F.normalize(keys.float(), dim=-1).mean(dim=2).flatten()
+
+
+def representative(
+    keys: torch.Tensor,  # (Hkv, n, D) pre-RoPE keys of the event's tokens
+    received: torch.Tensor,  # (Hkv, n) attention each token received while resident
+    keys_per_head: int,
+) -> torch.Tensor:  # (Hkv * D,)
+    """Mean of the most-attended keys per KV head, concatenated over heads."""
+    r = min(keys.shape[1], keys_per_head)
+    top = received.topk(r, dim=1).indices  # (Hkv, r)
+    keys = keys.float().cpu()
+    chosen = keys.gather(1, top[..., None].expand(-1, -1, keys.shape[-1]))  # (Hkv, r, D)
+    return chosen.mean(dim=1).flatten()
