@@ -193,7 +193,7 @@ def main() -> None:
     started = last_t
     anon_max = 0.0  # sampled after every piece, as a check that peak RSS is the process's own memory
     cache_max = 0.0  # hot + warm tier bytes, sampled likewise: they fill up to their caps as the store grows
-    memory = session.store_memory
+    memory = session.memory
     # Ctrl-C or a kill (SIGTERM) still removes a temporary store of up to a few GB.
     signal.signal(signal.SIGTERM, _terminate)
     try:
@@ -209,7 +209,7 @@ def main() -> None:
                 latency = recall_latency(session, args.recalls, seed=done)
                 if args.cold_recalls:
                     latency |= cold_recall_latency(session, args.cold_recalls, done, store)
-                disk = session.store_memory.store.disk_bytes()
+                disk = session.memory.store.disk_bytes()
                 anon, file_backed = rss_split_mb()
                 anon_max = max(anon_max, anon)
                 row = {
@@ -219,7 +219,7 @@ def main() -> None:
                     "disk_bytes_per_token": round(disk / done, 1),
                     "disk_vs_fp16_kv": round(disk / done / fp16_bytes_per_token, 3),
                     **latency,
-                    "index": session.store_memory.indexes.kind, "elapsed_s": round(now - started, 1),
+                    "index": session.memory.indexes.kind, "elapsed_s": round(now - started, 1),
                 }
                 rows.append(row)
                 print(row, flush=True)

@@ -84,7 +84,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     results = []
     try:
         for path in args.paths:
-            last = session.store_memory.last_document() if session.store_memory is not None else None
+            last = session.memory.last_document()
             resolved = str(Path(path).expanduser().resolve())
             if last is not None and last.name == resolved and not last.complete and not args.json:
                 print(f"resuming {path} at byte {last.bytes_done:,} of {last.size_bytes:,} "

@@ -58,7 +58,7 @@ def test_bad_files_are_refused_and_change_nothing(tmp_path, content, error, matc
     with pytest.raises(error, match=match):
         s.ingest_file(bad)
     assert s.tokens_ingested == 0 and s.events == 0
-    assert s.store_memory is not None and s.store_memory.documents() == []
+    assert s.memory is not None and s.memory.documents() == []
     assert not list((tmp_path / "store").rglob("*.seg"))
     s.close()
     lm.close()
@@ -82,7 +82,7 @@ def test_a_complete_document_is_not_ingested_twice(tmp_path):
         again = s.ingest_file(doc)
         assert first.tokens == 1500 and not first.already_ingested
         assert again.already_ingested and again.tokens == 0 and again.document_tokens == 1500
-        assert [d.complete for d in s.store_memory.documents()] == [True]
+        assert [d.complete for d in s.memory.documents()] == [True]
     lm.close()
 
 
@@ -100,7 +100,7 @@ def test_ctrl_c_commits_and_the_same_call_resumes_exactly(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         s.ingest_file(doc, progress=press_ctrl_c)
-    committed = s.store_memory.committed_tokens
+    committed = s.memory.committed_tokens
     assert 0 < committed < 2000
     s.close()
     lm.close()
@@ -131,12 +131,12 @@ def test_a_full_disk_keeps_the_last_commit_and_resumes(tmp_path, monkeypatch):
         s.ingest_file(doc)
     with pytest.raises(SessionError):  # the resident state stopped half-way: this session is done
         s.generate_ids([1], max_new_tokens=1)
-    s.store_memory.close()
+    s.memory.close()
     lm.close()
     monkeypatch.setattr(SegmentLog, "append", real_append)
     _, lm2 = tiny_pair("llama", CFG)
     with lm2.session(store=tmp_path / "s") as s:
-        assert s.store_memory.verify() == s.events
+        assert s.memory.verify() == s.events
         s.ingest_file(doc)
         assert _spans(s) == expected
     lm2.close()

@@ -63,7 +63,7 @@ def test_a_stored_stream_answers_like_one_in_ram_and_again_after_reopening(tmp_p
     _, fresh = tiny_pair("llama", cfg)  # a new model object: nothing shared but the directory
     reopened = fresh.session(store=tmp_path / "s")
     assert reopened.tokens_ingested == 900
-    assert reopened.store_memory is not None and reopened.store_memory.verify() == reopened.events
+    assert reopened.memory is not None and reopened.memory.verify() == reopened.events
     assert reopened.generate_ids([1, 2, 3], max_new_tokens=20) == expected
     reopened.close()
     fresh.close()
@@ -196,10 +196,10 @@ def test_a_flipped_byte_is_caught_by_the_checksum(tmp_path, cfg):
     segment.write_bytes(bytes(data))
     _, lm2 = tiny_pair("llama", cfg)
     s = lm2.session(store=tmp_path)
-    assert s.store_memory is not None
+    assert s.memory is not None
     with pytest.raises(StoreCorruptError):
-        s.store_memory.verify()
-    s.store_memory.close()
+        s.memory.verify()
+    s.memory.close()
     lm2.close()
 
 
@@ -222,7 +222,7 @@ def test_open_trims_what_no_commit_points_at(tmp_path, cfg):
         assert segment.stat().st_size == size
         assert not (ns_dir / "segments" / "000099.seg").exists()
         assert len(list(ns_dir.glob("checkpoint-*"))) == 1
-        assert s.store_memory is not None and s.store_memory.verify() == committed
+        assert s.memory is not None and s.memory.verify() == committed
     lm2.close()
 
 
@@ -235,8 +235,8 @@ def test_compressed_codecs_store_less_and_keep_the_stream_working(tmp_path, code
         with lm.session(store=tmp_path / name) as s:
             s.ingest(_text(600))
             assert len(s.generate_ids([1, 2], max_new_tokens=5)) == 5
-            assert s.store_memory is not None
-            sizes[name] = s.store_memory.kv_bytes / s.events
+            assert s.memory is not None
+            sizes[name] = s.memory.kv_bytes / s.events
         lm.close()
     # Blobs also hold token ids and representatives, a large share on a tiny model; test_codec.py
     # checks the KV ratios themselves.
@@ -265,7 +265,7 @@ def test_past_the_ivf_threshold_a_reopened_store_recalls_as_before(tmp_path, cfg
     _, lm = tiny_pair("llama", cfg)
     s = lm.session(store=tmp_path)
     s.ingest(_text(600))
-    indexes = s.store_memory.indexes
+    indexes = s.memory.indexes
     assert indexes.kind == "ivf" and indexes.centres is not None and s.events > 16
     expected = s.recall("5 6 7", k=5)  # recall does not move the stream (generating would)
     s.close()
@@ -274,7 +274,7 @@ def test_past_the_ivf_threshold_a_reopened_store_recalls_as_before(tmp_path, cfg
     assert manifest["kind"] == "ivf" and len(manifest["centres"]) == lm.spec.num_layers  # one mean per layer
     _, lm2 = tiny_pair("llama", cfg)
     with lm2.session(store=tmp_path) as s:
-        assert np.array_equal(s.store_memory.indexes.centres, indexes.centres)
+        assert np.array_equal(s.memory.indexes.centres, indexes.centres)
         assert s.recall("5 6 7", k=5) == expected
     lm2.close()
 
@@ -308,7 +308,7 @@ def test_prefetching_the_next_layer_changes_nothing(tmp_path):
         with lm.session(store=tmp_path / prefetch) as s:
             s.ingest(_text(700))
             answers.append(s.generate_ids([1, 2, 3], max_new_tokens=10))
-            assert (s.store_memory._prefetcher is not None) == (prefetch == "on")
+            assert (s.memory._prefetcher is not None) == (prefetch == "on")
         lm.close()
     assert answers[0] == answers[1]
 
@@ -320,7 +320,7 @@ def test_read_ahead_asks_for_the_cold_blobs_only_and_changes_nothing(tmp_path, m
         _, lm = tiny_pair("llama", cfg)
         with lm.session(store=tmp_path / str(read_ahead)) as s:
             s.ingest(_text(700))
-            memory = s.store_memory
+            memory = s.memory
             real = memory.segments.will_need
 
             def spy(refs, real=real, memory=memory):

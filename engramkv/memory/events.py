@@ -3,16 +3,19 @@
 An event is a contiguous span of the token stream, sealed when it leaves the local
 window. Its KV (pre-RoPE keys, values) for every layer, one representative vector per
 layer (for recall while reading) and one key summary (for matching questions, see
-`retrieval.key_match`) go into an `EventMemory`. The tiered persistent store implements the same
-protocol; the engine only talks to this interface.
+`memory.summary`) go into an `EventMemory`. The tiered persistent store (`storage.namespace`)
+implements the same protocol, persistence included; the in-RAM memory here makes every
+persistence call a no-op, so a session holds one `memory` and never asks which kind it is.
 
 Event ids are consecutive integers in stream order, so id ± d are temporal neighbours.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -28,6 +31,29 @@ class Event:
     @property
     def length(self) -> int:
         return self.end - self.start
+
+
+@dataclass
+class DocumentProgress:
+    """How far a document has been ingested; committed with the stream state it belongs to."""
+
+    name: str
+    size_bytes: int
+    content_key: str
+    token_start: int
+    bytes_done: int = 0
+    token_end: int = 0
+    complete: bool = False
+    id: int | None = None
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    """Bytes of event KV in each tier: decoded on the compute device, encoded in host RAM, on disk."""
+
+    hot: int
+    warm: int
+    disk: int
 
 
 class EventMemory(Protocol):
@@ -65,6 +91,60 @@ class EventMemory(Protocol):
 
     @property
     def kv_bytes(self) -> int: ...
+
+    # ---- persistence (the in-RAM memory: nothing persists, every call is a no-op)
+    @property
+    def persistent(self) -> bool:
+        """True when commits outlive the process (a store namespace)."""
+        ...
+
+    @property
+    def writable(self) -> bool:
+        """False for a store opened read-only: events added stay in RAM and commits are refused."""
+        ...
+
+    @property
+    def location(self) -> str | None:
+        """Where the events live: the store directory, or None in RAM."""
+        ...
+
+    @property
+    def namespace(self) -> str | None:
+        """The store namespace as "user/agent/session", or None in RAM."""
+        ...
+
+    @property
+    def codec(self) -> str:
+        """How event KV is encoded at rest (the store's cold-tier codec, or the in-RAM dtype)."""
+        ...
+
+    @property
+    def committed_tokens(self) -> int:
+        """Stream position of the last commit (0 in RAM)."""
+        ...
+
+    def commit(self, snapshot: dict[str, Any], document: DocumentProgress | None) -> None:
+        """Make every event added so far durable together with the stream state `snapshot`, and `document`'s
+        read position (the document being ingested, if any)."""
+        ...
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        """The stream state of the last commit, or None."""
+        ...
+
+    def last_document(self) -> DocumentProgress | None:
+        """The most recent document (the only one an interrupted ingest can resume)."""
+        ...
+
+    def documents(self) -> list[DocumentProgress]: ...
+
+    def event_details(self, event_ids: Sequence[int]) -> dict[int, tuple[str | None, dt.datetime | None]]:
+        """(document name, time sealed) of each event, where known."""
+        ...
+
+    def tier_bytes(self) -> TierBytes: ...
+
+    def close(self) -> None: ...
 
 
 class _GrowingBuffer:
@@ -160,3 +240,35 @@ class InMemoryEventMemory:
     def kv_bytes(self) -> int:
         per_layer = [b.view().numel() * b.view().element_size() for b in self._keys + self._values]
         return sum(per_layer)
+
+    # ---- persistence: none
+    persistent = False
+    writable = True
+    location = None
+    namespace = None
+    committed_tokens = 0
+
+    @property
+    def codec(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def commit(self, snapshot: dict[str, Any], document: DocumentProgress | None) -> None:
+        pass
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        return None
+
+    def last_document(self) -> DocumentProgress | None:
+        return None
+
+    def documents(self) -> list[DocumentProgress]:
+        return []
+
+    def event_details(self, event_ids: Sequence[int]) -> dict[int, tuple[str | None, dt.datetime | None]]:
+        return {}
+
+    def tier_bytes(self) -> TierBytes:
+        return TierBytes(hot=0, warm=self.kv_bytes, disk=0)
+
+    def close(self) -> None:
+        pass

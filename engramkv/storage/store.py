@@ -51,7 +51,7 @@ from engramkv.errors import (
     StoreMismatchError,
 )
 from engramkv.spec import ModelSpec
-from engramkv.memory.events import Event
+from engramkv.memory.events import DocumentProgress, Event
 from engramkv.memory.summary import key_summary
 from engramkv.storage import catalog as cat
 from engramkv.storage.codec import Codec, decode_layer, encode_layers, layer_nbytes
@@ -72,20 +72,6 @@ def check_name(kind: str, name: str) -> str:
             f"invalid {kind} {name!r}: use 1-128 letters, digits or _ . @ : + = - (not starting with '.', no '..')"
         )
     return name
-
-
-@dataclass
-class DocumentProgress:
-    """How far a document has been ingested; committed with the stream state it belongs to."""
-
-    name: str
-    size_bytes: int
-    content_key: str
-    token_start: int
-    bytes_done: int = 0
-    token_end: int = 0
-    complete: bool = False
-    id: int | None = None
 
 
 @dataclass(frozen=True)
