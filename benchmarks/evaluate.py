@@ -5,7 +5,7 @@
     python benchmarks/evaluate.py --quick                  # a few minutes: three tasks, every default system, 2k
 
 Tasks (`evalkit/tasks.py`): passkey, kv, niah-single, niah-multikey, niah-multivalue, niah-multiquery,
-conversation. Systems (`evalkit/systems.py`): full, streaming, rag, inflm, engram-surprise,
+conversation. Systems (`evalkit/systems.py`): full, streaming, rag, infllm, engram-surprise,
 engram-refined, engram. The model is the embedded default unless --model names another.
 
 Writes benchmarks/results/{name}.json (every run: reply, score, speed, memory), {name}.md (accuracy

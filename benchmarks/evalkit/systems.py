@@ -4,7 +4,7 @@
   streaming     StreamingLLM: attention sinks + a sliding window, nothing recalled (engramkv, recall off)
   rag           chunks of 256 tokens embedded with all-MiniLM-L6-v2, FAISS top-k (about 1k tokens) put
                 before the question in document order, plain transformers
-  inflm         InfLLM-style: fixed 128-token blocks, per-layer query recall for questions too
+  infllm        InfLLM-style: fixed 128-token blocks, per-layer query recall for questions too
   engram-surprise  engramkv, surprise boundaries only (no refinement, no contiguity)
   engram-refined   engramkv, surprise + graph refinement (no contiguity)
   engram        engramkv as shipped: surprise + refinement + contiguity (neighbours and buffer)
@@ -250,7 +250,7 @@ def _variant(recall: dict[str, Any] | None = None, segmentation: dict[str, Any] 
 NO_CONTIGUITY = {"contiguity_fraction": 0.0, "contiguity_buffer": 0}
 VARIANTS = {
     "streaming": _variant(recall={"enabled": False}),
-    "inflm": _variant(recall={"question_match": "attention"}, segmentation={"mode": "uniform", "uniform_size": 128}),
+    "infllm": _variant(recall={"question_match": "attention"}, segmentation={"mode": "uniform", "uniform_size": 128}),
     "engram-surprise": _variant(recall=NO_CONTIGUITY, refinement={"enabled": False}),
     "engram-refined": _variant(recall=NO_CONTIGUITY),
     "engram": EngineConfig(),
