@@ -1,35 +1,34 @@
-"""Shared helpers of the benchmark scripts: result files, peak RSS, the passkey text."""
+"""Shared helpers of the benchmark scripts: result files with their provenance, peak RSS, a passkey sample.
+
+Every result file is `results/<benchmark>/NAME.json` (+ `.md`, a `.png` where a script plots) and its
+JSON records what a reader needs to reproduce it (`write_results`): the commit of the code that ran
+(`commit`, and `dirty` when the tree had uncommitted changes outside `benchmarks/results/`), the full
+configuration used (`config`: the `EngineConfig` dump, or one per system), the machine and the command.
+"""
 
 from __future__ import annotations
 
 import json
 import platform
-import random
 import resource
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results"
-
-PASSKEY_INTRO = (
-    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-    "I will quiz you about the important information there.\n\n"
-)
-PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def passkey_sample(tokenizer: Any, n_tokens: int, depth: float, seed: int) -> tuple[str, str, str]:
-    """InfiniteBench-format passkey: (context, question, key). `n_tokens` counts context + question."""
-    key = str(random.Random(seed).randint(10000, 99999))
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    count = len(tokenizer.encode(PASSKEY_INTRO + needle + PASSKEY_QUESTION, add_special_tokens=False))
-    per_filler = len(tokenizer.encode(PASSKEY_FILLER * 20, add_special_tokens=False)) / 20
-    n_fillers = max(1, int((n_tokens - count) / per_filler))
-    before = int(n_fillers * depth)
-    context = PASSKEY_INTRO + PASSKEY_FILLER * before + needle + PASSKEY_FILLER * (n_fillers - before)
-    return context, PASSKEY_QUESTION, key
+    """(context, prompt, key) of the passkey task (`evalkit.tasks.passkey`, the one generator) with the key at
+    `depth`: for callers that ingest a context and then continue the prompt (the tests, examples/quickstart.py,
+    passkey_file.py). `n_tokens` counts context + prompt."""
+    from evalkit.tasks import passkey
+
+    sample = passkey(tokenizer, n_tokens, seed, depth=depth)
+    return sample.context[0], sample.prompt, sample.answers[0]
 
 
 def peak_rss_mb() -> float:
@@ -61,11 +60,61 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write_results(name: str, payload: dict[str, Any], table: str, directory: Path = RESULTS) -> tuple[Path, Path]:
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def code_state() -> dict[str, Any]:
+    """The commit checked out (None outside a git checkout) and whether the tree differs from it.
+
+    The results folder is left out of `dirty`: a long run rewrites its own files as it goes.
+    """
+    status = _git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def command_line() -> str:
+    """This process's command, the script named from the repository root (`python benchmarks/x.py ...`)."""
+    script = Path(sys.argv[0]).resolve()
+    name = str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else sys.argv[0]
+    return shlex.join(["python", name, *sys.argv[1:]])
+
+
+# Taken when the script starts: the code that ran is the code of this moment, not of the last write.
+CODE = code_state()
+COMMAND = command_line()
+
+
+def _plain(config: Any) -> Any:
+    """A pydantic config (or a dict of them, one per system) as JSON values."""
+    if hasattr(config, "model_dump"):
+        return config.model_dump(mode="json")
+    if isinstance(config, dict):
+        return {key: _plain(value) for key, value in config.items()}
+    return config
+
+
+def provenance(config: Any) -> dict[str, Any]:
+    """What every result JSON records first: commit, dirty, command, machine, the full config."""
+    return {**CODE, "command": COMMAND, "machine": machine(), "config": _plain(config)}
+
+
+def write_results(directory: Path, name: str, payload: dict[str, Any], table: str,
+                  config: Any) -> tuple[Path, Path]:
+    """Write `directory/NAME.json` (provenance, then `payload`) and `directory/NAME.md` (`table` + a footer
+    naming the commit and the command). `config`: the `EngineConfig` the run used, or {system: config}."""
     json_path, md_path = directory / f"{name}.json", directory / f"{name}.md"
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    md_path.write_text(table)
+    info = provenance(config)
+    json_path.write_text(json.dumps({**info, **payload}, indent=2) + "\n")
+    commit = info["commit"] or "unknown"
+    footer = (f"\nCommit {commit}{' with uncommitted changes' if info['dirty'] else ''}; command `{info['command']}`; "
+              f"the full config and the machine are in {json_path.name}.\n")
+    md_path.write_text(table.rstrip("\n") + "\n" + footer)
     return json_path, md_path
 
 

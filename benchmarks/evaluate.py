@@ -8,11 +8,13 @@ Tasks (`evalkit/tasks.py`): passkey, kv, niah-single, niah-multikey, niah-multiv
 conversation. Systems (`evalkit/systems.py`): full, streaming, rag, infllm, engram-surprise,
 engram-refined, engram. The model is the embedded default unless --model names another.
 
-Writes benchmarks/results/{name}.json (every run: reply, score, speed, memory), {name}.md (accuracy
-per task, system and length; speed and memory per system) and {name}.png (accuracy against context
-length, one line per system, one panel per task). The JSON is rewritten after every run, so an
-interrupted evaluation keeps what it measured, and `--resume` runs only the cells it lacks (the full
-grid takes hours on a CPU: it can be built up over several invocations, each adding its command).
+Writes benchmarks/results/evaluate/{name}.json (every run: reply, score, speed, memory, the commit it
+ran at; the file also records the configuration of every system, the machine and the commands),
+{name}.md (accuracy per task, system and length; speed and memory per system) and {name}.png
+(accuracy against context length, one line per system, one panel per task). The JSON is rewritten
+after every run, so an interrupted evaluation keeps what it measured, and `--resume` runs only the
+cells it lacks (the full grid takes hours on a CPU: it can be built up over several invocations, each
+adding its command). `passkey.py` is a preset of this harness (the passkey task, 5 samples, 4k-64k).
 """
 
 from __future__ import annotations
@@ -26,18 +28,21 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from _common import RESULTS, machine, write_results
+from _common import CODE, RESULTS, ROOT, write_results
 from engramkv.config import ModelConfig
 from engramkv.hf import load_pretrained
-from evalkit.systems import DEFAULT_SYSTEMS, OPTIONAL_SYSTEMS, SYSTEMS, Models
+from evalkit.systems import DEFAULT_SYSTEMS, OPTIONAL_SYSTEMS, SYSTEMS, Models, system_config
 from evalkit.tasks import TASKS
 
 QUICK_LENGTH = 2048
 QUICK_TASKS = ["passkey", "niah-multikey", "conversation"]
+OUT = RESULTS / "evaluate"
+# What older results files record about their own provenance, kept when a grid is resumed or merged.
+FILE_NOTES = ("commit_of_file", "commit_note")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=None, choices=list(TASKS), metavar="TASK",
                         help="default: all (with --quick: " + ", ".join(QUICK_TASKS) + ")")
     parser.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS, choices=list(SYSTEMS), metavar="SYSTEM",
@@ -50,22 +55,27 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"one sample of three tasks on every default system at {QUICK_LENGTH} tokens (a few minutes)")
     parser.add_argument("--name", default="eval")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
+    parser.add_argument("--out", type=Path, default=OUT, help="results directory (default: benchmarks/results/evaluate)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in {name}.json and run only the missing ones")
     parser.add_argument("--merge", nargs="+", default=[], metavar="NAME",
                         help="also keep the runs of {NAME}.json (an evaluation run in another process, on other "
                              "tasks or lengths): they count as done and are saved under --name")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> None:
+    args = (parser or build_parser()).parse_args(argv)
     if args.quick:
         args.lengths, args.samples = [QUICK_LENGTH], 1
     args.tasks = args.tasks or (QUICK_TASKS if args.quick else list(TASKS))
 
     model, tokenizer, model_id = load_pretrained(ModelConfig(name_or_path=args.model))
     models = Models(model, tokenizer, model_id)
-    runs, commands = previous_runs(args.out / f"{args.name}.json", model_id) if args.resume else ([], [])
+    runs, commands, notes = previous_runs(args.out / f"{args.name}.json", model_id) if args.resume else ([], [], {})
+    args.notes = notes
     for name in args.merge:
-        merged, merged_commands = previous_runs(args.out / f"{name}.json", model_id, must_exist=True)
+        merged, merged_commands, _ = previous_runs(args.out / f"{name}.json", model_id, must_exist=True)
         done = {_key(r) for r in runs}
         runs += [r for r in merged if _key(r) not in done]
         commands += [c for c in merged_commands if c not in commands]
@@ -98,8 +108,9 @@ def run_grid(args: argparse.Namespace, models: Models, model_id: str, runs: list
                     started = time.perf_counter()
                     run = SYSTEMS[system](models, sample)
                     runs.append({"task": task, "system": system, "length": length, "seed": seed,
-                                 "score": sample.score(run.reply), "answers": sample.answers,
-                                 **dataclasses.asdict(run), "wall_s": round(time.perf_counter() - started, 1)})
+                                 "score": sample.score(run.reply), "answers": sample.answers, "meta": sample.meta,
+                                 **dataclasses.asdict(run), "wall_s": round(time.perf_counter() - started, 1),
+                                 "commit": CODE["commit"], "dirty": CODE["dirty"]})
                     print(f"{task:16s} {system:16s} {length:>7,} seed {seed}: score {runs[-1]['score']:.2f} "
                           f"reply {run.reply[:60]!r}", flush=True)
                     save(args, model_id, runs, commands)
@@ -109,16 +120,20 @@ def _key(run: dict[str, Any]) -> tuple[str, str, int, int]:
     return run["task"], run["system"], run["length"], run["seed"]
 
 
-def previous_runs(path: Path, model_id: str, must_exist: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
-    """The runs and commands of an earlier evaluation (for --resume and --merge)."""
+def previous_runs(path: Path, model_id: str, must_exist: bool = False
+                  ) -> tuple[list[dict[str, Any]], list[str], dict[str, Any]]:
+    """The runs, commands and file notes (FILE_NOTES) of an earlier evaluation (for --resume and --merge)."""
     if not path.exists():
         if must_exist:
             raise SystemExit(f"{path} does not exist (--merge names a results file without .json)")
-        return [], []
+        return [], [], {}
     payload = json.loads(path.read_text())
+    if "runs" not in payload:
+        raise SystemExit(f"{path} was written by another script or an older harness: use another --name")
     if payload.get("model") != model_id:
         raise SystemExit(f"{path} holds runs of {payload.get('model')}, not {model_id}: use another --name")
-    return payload["runs"], list(dict.fromkeys(payload.get("commands", [])))  # older files repeat a merge command
+    notes = {key: payload[key] for key in FILE_NOTES if key in payload}
+    return payload["runs"], list(dict.fromkeys(payload.get("commands", []))), notes  # older files repeat a merge
 
 
 def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], commands: list[str],
@@ -176,8 +191,9 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
                 if mine:
                     lines.append(f"| {system} | {n:,} | {_mean([r['score'] for r in mine]):.2f} | "
                                  f"{_mean([r['answers_in_recalled'] for r in mine]):.2f} |")
-    payload = {"runs": runs, "commands": commands, "model": model_id, "machine": machine()}
-    write_results(args.name, payload, "\n".join(lines) + "\n", directory=args.out)
+    payload = {**getattr(args, "notes", {}), "model": model_id, "commands": commands, "runs": runs}
+    configs = {system: system_config(system) for system in systems}
+    write_results(args.out, args.name, payload, "\n".join(lines) + "\n", configs)
     if plot:
         plot_accuracy(args.out / f"{args.name}.png", tasks, systems, lengths, accuracy)
 
@@ -221,7 +237,11 @@ def _mean(values: list[float]) -> float:
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
+    """The evaluate.py arguments that give this grid (a preset such as passkey.py is spelt out)."""
     name = [] if args.name == "eval" else ["--name", args.name]
+    if args.out.resolve() != OUT.resolve():
+        out = args.out.resolve()
+        name += ["--out", str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(args.out)]
     if args.quick:
         return ["--quick", *name]
     return [*name, "--tasks", *args.tasks, "--systems", *args.systems, "--lengths", *map(str, args.lengths),

@@ -12,6 +12,9 @@ summary), one releasing the free heap every --every events (the scale model comm
 one never. Reported at each checkpoint: resident MB over the child's start, its peak (VmHWM), and the
 indexes' content (the bytes of their codes and ids, without the lists' spare capacity).
 
+Writes benchmarks/results/index_memory/{name}.json and .md (the config recorded: the default
+`store.index`, the only settings the indexes read).
+
     python benchmarks/index_memory.py [--events 268000] [--every 600]
 """
 
@@ -24,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from _common import machine, write_results
+from _common import RESULTS, write_results
 
 
 def _status_mb(field: str) -> float:
@@ -116,7 +119,10 @@ def main() -> None:
               f"(kept: {last_kept['rss_mb'] / last_kept['content_mb']:.2f}x).",
               "", f"Run time {time.perf_counter() - started:.0f} s.", ""]
     table = "\n".join(lines)
-    write_results(args.name, {"args": vars(args), "machine": machine(), "runs": measured}, table)
+    from engramkv.config import IndexConfig
+
+    write_results(RESULTS / "index_memory", args.name, {"args": vars(args), "runs": measured}, table,
+                  {"index": IndexConfig()})
     print(table)
 
 

@@ -1,9 +1,12 @@
 """Peak RSS of an ingest as the stream grows: a short and a long ingest, each in its own process.
 
 The claim checked: peak RSS(long) <= 1.5 x peak RSS(short) + the event KV the long ingest keeps
-(event memory is in RAM by design here; the tiered store moves it to disk).
+(event memory is in RAM by design here; the tiered store moves it to disk). Both use the default
+model and the default config.
 
-    python benchmarks/memory.py [--short 4096] [--long 65536]
+Writes benchmarks/results/memory/{name}.json and .md.
+
+    python benchmarks/memory.py [--short 4096] [--long 65536] [--name memory]
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from _common import machine, natural_text, peak_rss_mb, write_results
+from _common import RESULTS, natural_text, peak_rss_mb, write_results
 
 
 def child(tokens: int) -> None:
@@ -63,8 +66,10 @@ def main() -> None:
         "",
     ])
     print(table)
-    payload = {"runs": runs, "overhead_ratio": overhead, "machine": machine()}
-    print("wrote", *write_results(args.name, payload, table))
+    from engramkv import EngineConfig
+
+    payload = {"runs": runs, "overhead_ratio": overhead}
+    print("wrote", *write_results(RESULTS / "memory", args.name, payload, table, EngineConfig()))
 
 
 if __name__ == "__main__":

@@ -1,22 +1,27 @@
 """Question-time recall variants on passkey samples: ingest once, then ask under several recall settings.
 
 Ingest is the expensive part (about 270 s for 64k tokens here), and the recall settings used while
-reading the question and answering can be swapped afterwards on a copy of the ingested state. This
-finds which settings rescue a sample that the default misses; a default still has to be confirmed
-with `passkey.py`, since it also changes nothing about ingest.
+reading the question and answering can be swapped afterwards: each variant asks on a fork of the
+ingested session (`Session.fork(config)`: an in-RAM copy of the stream, its events and resident
+state, read with another config). This finds which settings rescue a sample that the default misses;
+a default still has to be confirmed with `passkey.py`, since it also changes nothing about ingest.
+The samples are passkey.py's (the evaluation harness's passkey task, sample i = seed i), asked as the
+harness asks them (the benchmark's prompt, its question matched against memory).
 
-    python benchmarks/recall_variants.py --length 65536 --depths 0.5 0.7 0.9
+Writes benchmarks/results/recall_variants/{name}.json and .md.
+
+    python benchmarks/recall_variants.py --length 65536 --seeds 0 1 2 3 4
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 from typing import Any
 
-from _common import passkey_sample, write_results
+from _common import RESULTS, write_results
 from engramkv import EngineConfig, EpisodicLM
+from evalkit.tasks import TASKS
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "answer budget 1024 (reading budget)": {"answer_budget_tokens": None},
@@ -26,50 +31,53 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "answer budget 1024, fixed positions": {"answer_budget_tokens": None, "positions": "fixed"},
     "answer budget 512, fixed positions": {"answer_budget_tokens": 512, "positions": "fixed"},
 }
-DEPTHS = [0.1, 0.3, 0.5, 0.7, 0.9]  # passkey.py's default depths: sample i uses seed 1000 * i + length
+MAX_NEW_TOKENS = 8  # the key is the first thing the prompt asks for
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=65536)
-    parser.add_argument("--depths", type=float, nargs="+", default=[0.5, 0.7, 0.9])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="passkey samples (seeds)")
     parser.add_argument("--name", default="recall_variants")
     args = parser.parse_args()
 
     base = EngineConfig()
-    lm = EpisodicLM.from_pretrained()
+    configs = {name: base.model_copy(update={"recall": base.recall.model_copy(update=update)})
+               for name, update in VARIANTS.items()}
+    lm = EpisodicLM.from_pretrained(config=base)
     rows: list[dict[str, Any]] = []
-    for depth in args.depths:
-        seed = 1000 * DEPTHS.index(depth) + args.length if depth in DEPTHS else int(depth * 1000) + args.length
-        context, question, key = passkey_sample(lm.tokenizer, args.length, depth, seed=seed)
+    for seed in args.seeds:
+        sample = TASKS["passkey"](lm.tokenizer, args.length, seed)
         session = lm.session(base)
         started = time.perf_counter()
-        session.ingest(context)
-        print(f"depth {depth}: ingested in {time.perf_counter() - started:.0f} s, {session.events} events", flush=True)
-        keep = {id(lm.model): lm.model, id(lm.rope): lm.rope}
-        ingested = copy.deepcopy(session.state, memo=keep)
-        for name, update in VARIANTS.items():
-            cfg = base.model_copy(update={"recall": base.recall.model_copy(update=update)})
-            state = copy.deepcopy(ingested, memo=dict(keep))
-            state.cfg = cfg
-            session.state, session.memory, session.cfg = state, state.memory, cfg
-            answer = session.generate(question, max_new_tokens=8)
-            rows.append({"depth": depth, "variant": name, "answer": answer, "correct": key in answer})
-            print(f"  {name}: {answer!r} {'correct' if key in answer else 'wrong'}", flush=True)
-        report(rows, args)
+        for piece in sample.context:
+            session.ingest(piece)
+        print(f"seed {seed}: ingested in {time.perf_counter() - started:.0f} s, {session.events} events", flush=True)
+        for name, config in configs.items():
+            fork = session.fork(config)
+            answer = fork.generate(sample.prompt, max_new_tokens=MAX_NEW_TOKENS, question=sample.question)
+            fork.close()
+            correct = sample.score(answer) == 1.0
+            rows.append({"seed": seed, "depth": round(sample.meta["depth"], 3), "key": sample.answers[0],
+                         "variant": name, "answer": answer, "correct": correct})
+            print(f"  {name}: {answer!r} {'correct' if correct else 'wrong'}", flush=True)
+        session.close()
+        report(rows, args, configs)
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    depths = sorted({r["depth"] for r in rows})
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, configs: dict[str, EngineConfig]) -> None:
+    seeds = list(dict.fromkeys(r["seed"] for r in rows))
+    heads = {r["seed"]: f"seed {r['seed']} (depth {r['depth']:.2f}, key {r['key']})" for r in rows}
     lines = [f"# Question-time recall variants, passkey at {args.length} tokens (ingest with the defaults)", "",
-             "| variant | " + " | ".join(f"depth {d}" for d in depths) + " |", "|---|" + "---|" * len(depths)]
+             "| variant | " + " | ".join(heads[s] for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
     for name in VARIANTS:
         cells = []
-        for d in depths:
-            hit = [r for r in rows if r["variant"] == name and r["depth"] == d]
+        for seed in seeds:
+            hit = [r for r in rows if r["variant"] == name and r["seed"] == seed]
             cells.append(("yes" if hit[0]["correct"] else f"no ({hit[0]['answer'].strip()!r})") if hit else "")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    write_results(args.name, {"args": vars(args), "rows": rows}, "\n".join(lines) + "\n")
+    write_results(RESULTS / "recall_variants", args.name, {"args": vars(args), "rows": rows},
+                  "\n".join(lines) + "\n", configs)
 
 
 if __name__ == "__main__":

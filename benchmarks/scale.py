@@ -16,6 +16,8 @@ search and the fetch parts apart, and what the slowest 1% of recalls waited on: 
 from a store evicted from the page cache (as after a reboot, or a store larger than RAM), with the
 cold tier's read-ahead (`store.read_ahead`) on and off in turns on the same queries.
 
+Writes benchmarks/results/scale/{name}.json and .md (rewritten at every checkpoint).
+
     python benchmarks/scale.py --tokens 10000000
 """
 
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from _common import machine, peak_rss_mb, rss_split_mb, write_results
+from _common import RESULTS, peak_rss_mb, rss_split_mb, write_results
 from engramkv import EngineConfig, EpisodicLM
 from engramkv.config import SegmentationConfig, StoreConfig
 from engramkv.retrieval.recall import select_events
@@ -86,15 +88,14 @@ def recall_latency(session: Any, n: int, seed: int) -> dict[str, float]:
     gc.callbacks.append(gc_clock)
     for _ in range(n):
         target = int(rng.integers(len(memory)))
-        queries = [torch.from_numpy(q) for q in memory._representatives(target)]  # a stored event's own keys
-        memory.hot.clear()
-        memory.warm.clear()
+        queries = [torch.from_numpy(q) for q in memory.representatives(target)]  # a stored event's own keys
+        memory.drop_caches()  # hot and warm tiers emptied: the recall reads the cold tier
         t_search = t_fetch = 0.0
         faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         gc_before = gc_seconds[0]
-        for layer in range(memory.num_layers):
+        for layer, query in enumerate(queries):  # one representative per layer
             t0 = time.perf_counter()
-            ids = select_events(memory, layer, queries[layer], cfg.recall, cfg.segmentation.min_event)
+            ids = select_events(memory, layer, query, cfg.recall, cfg.segmentation.min_event)
             t1 = time.perf_counter()
             memory.gather(layer, ids)
             t_search, t_fetch = t_search + t1 - t0, t_fetch + time.perf_counter() - t1
@@ -138,16 +139,14 @@ def cold_recall_latency(session: Any, n: int, seed: int, store: Path) -> dict[st
     total: dict[bool, list[float]] = {True: [], False: []}
     for pair in range(n):
         target = int(rng.integers(len(memory)))
-        queries = [torch.from_numpy(q) for q in memory._representatives(target)]
+        queries = [torch.from_numpy(q) for q in memory.representatives(target)]
         for read_ahead in ((True, False) if pair % 2 == 0 else (False, True)):
-            memory.hot.clear()
-            memory.warm.clear()
+            memory.drop_caches()
             evict_from_page_cache(store)
             memory.read_ahead = read_ahead
             t0 = time.perf_counter()
-            for layer in range(memory.num_layers):
-                memory.gather(layer, select_events(memory, layer, queries[layer], cfg.recall,
-                                                   cfg.segmentation.min_event))
+            for layer, query in enumerate(queries):
+                memory.gather(layer, select_events(memory, layer, query, cfg.recall, cfg.segmentation.min_event))
             total[read_ahead].append(time.perf_counter() - t0)
     memory.read_ahead = cfg.store.read_ahead
 
@@ -201,7 +200,8 @@ def main() -> None:
             session.ingest_ids(ids)
             done += len(ids)
             anon_max = max(anon_max, rss_split_mb()[0])
-            cache_max = max(cache_max, (memory.hot.bytes + memory.warm.bytes) / 2**20)
+            tiers = memory.tier_bytes()
+            cache_max = max(cache_max, (tiers.hot + tiers.warm) / 2**20)
             if checkpoints and done >= checkpoints[0]:
                 checkpoints.pop(0)
                 session.commit()
@@ -209,7 +209,7 @@ def main() -> None:
                 latency = recall_latency(session, args.recalls, seed=done)
                 if args.cold_recalls:
                     latency |= cold_recall_latency(session, args.cold_recalls, done, store)
-                disk = session.memory.store.disk_bytes()
+                disk = _dir_bytes(store)  # the whole store: catalog, segments, indexes, checkpoint
                 anon, file_backed = rss_split_mb()
                 anon_max = max(anon_max, anon)
                 row = {
@@ -223,7 +223,7 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(row, flush=True)
-                report(rows, args, spec, fp16_bytes_per_token, started)
+                report(rows, args, spec, config, fp16_bytes_per_token, started)
                 last_t, last_n = time.perf_counter(), done
         session.close()
         lm.close()
@@ -238,7 +238,12 @@ def _terminate(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16: int, started: float) -> None:
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, config: EngineConfig, fp16: int,
+           started: float) -> None:
     lines = [
         f"# Scale ({spec.model_id}: {spec.num_layers} layers, {spec.num_kv_heads} KV heads x {spec.head_dim}; "
         f"codec {args.codec}; fp16 KV = {fp16} B/token; caches hot {args.hot_mib or 'default'} MiB, "
@@ -270,8 +275,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any, fp16
                       f"{first['tokens']:,}: {last['recall_ms_p50'] / first['recall_ms_p50']:.2f}x / "
                       f"{last['recall_ms_p99'] / first['recall_ms_p99']:.2f}x."]
     lines += ["", f"Run time {time.perf_counter() - started:.0f} s.", ""]
-    write_results(args.name, {"rows": rows, "args": {k: str(v) for k, v in vars(args).items()},
-                              "model": spec.model_dump(), "machine": machine()}, "\n".join(lines))
+    write_results(RESULTS / "scale", args.name, {"rows": rows, "args": {k: str(v) for k, v in vars(args).items()},
+                                                 "model": spec.model_dump()}, "\n".join(lines), config)
 
 
 if __name__ == "__main__":

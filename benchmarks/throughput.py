@@ -6,7 +6,9 @@ reads in distribution; past it the bare model's cost keeps growing with length w
 so longer lengths only flatter the ratio. Runs alternate (bare, engine, bare, engine, ...) and the
 median of each is compared, so the machine's noise hits both sides alike.
 
-    python benchmarks/throughput.py [--tokens 8192] [--repeats 2]
+Writes benchmarks/results/throughput/{name}.json and .md.
+
+    python benchmarks/throughput.py [--tokens 8192] [--repeats 2] [--name throughput]
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from _common import machine, natural_text, write_results
+from _common import RESULTS, natural_text, write_results
 from engramkv import EngineConfig, EpisodicLM
 from engramkv.hf import load_pretrained
 
@@ -77,9 +79,9 @@ def main() -> None:
     ])
     payload = {"model": model_id, "tokens": args.tokens, "bare_seconds": bare_s, "engine_seconds": engine_s,
                "bare_tokens_per_s": bare_tps, "engine_tokens_per_s": engine_tps, "ratio": ratio,
-               "events": events, "machine": machine(), "config": config.model_dump()}
+               "events": events}
     print(table)
-    print("wrote", *write_results(args.name, payload, table))
+    print("wrote", *write_results(RESULTS / "throughput", args.name, payload, table, config))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The evaluation harness: every task makes a sample of its length; --quick runs every default system."""
+"""The evaluation harness: every task makes a sample of its length; --quick runs every default system;
+result files record their provenance; passkey.py is a preset of the harness over the one passkey generator."""
 
 import json
 import subprocess
@@ -9,12 +10,57 @@ import pytest
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
+import _common  # noqa: E402
+import passkey as passkey_preset  # noqa: E402
 from evalkit.systems import DEFAULT_SYSTEMS as SYSTEMS  # noqa: E402
+from evalkit.systems import OPTIONAL_SYSTEMS, system_config  # noqa: E402
 from evalkit.tasks import TASKS  # noqa: E402
 
-pytestmark = pytest.mark.slow
+from engramkv import EngineConfig  # noqa: E402
 
 
+class CharTokenizer:
+    """One token per character: enough for the generators, which only count tokens."""
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+
+def test_write_results_records_commit_config_machine_and_command(tmp_path):
+    json_path, md_path = _common.write_results(tmp_path / "bench", "run", {"figure": 1.5}, "# table\n",
+                                               EngineConfig())
+    payload = json.loads(json_path.read_text())
+    assert payload["figure"] == 1.5 and payload["config"] == EngineConfig().model_dump(mode="json")
+    assert payload["commit"] == _common._git("rev-parse", "HEAD") and payload["dirty"] in (True, False, None)
+    assert payload["command"].startswith("python ") and {"python", "torch", "platform"} <= set(payload["machine"])
+    assert md_path.read_text().startswith("# table\n") and str(payload["commit"]) in md_path.read_text()
+
+
+def test_every_system_has_a_recorded_config():
+    for name in [*SYSTEMS, *OPTIONAL_SYSTEMS]:
+        json.dumps(_common._plain(system_config(name)))
+    assert system_config("engram-store-int2").store.codec == "int2"
+    assert "infllm" in SYSTEMS and "inflm" not in SYSTEMS
+
+
+def test_passkey_script_is_a_preset_of_the_harness():
+    parser = passkey_preset.evaluate.build_parser(passkey_preset.__doc__)
+    parser.set_defaults(**passkey_preset.DEFAULTS)
+    args = parser.parse_args(["--lengths", "8192"])
+    assert args.tasks == ["passkey"] and args.systems == ["engram", "full"] and args.samples == 5
+    assert args.lengths == [8192] and args.out == _common.RESULTS / "passkey"
+
+
+def test_passkey_sample_is_the_passkey_task_at_a_given_depth():
+    tokenizer = CharTokenizer()
+    context, prompt, key = _common.passkey_sample(tokenizer, 3000, depth=0.25, seed=7)
+    sample = TASKS["passkey"](tokenizer, 3000, 7, depth=0.25)
+    assert (context, prompt, key) == (sample.context[0], sample.prompt, sample.answers[0])
+    assert abs(sample.meta["depth"] - 0.25) < 0.05 and key in context
+    assert TASKS["passkey"](tokenizer, 3000, 7).answers == [key]  # the seed chooses the key either way
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [2048, 8192])
 def test_every_task_makes_a_sample_of_about_its_length_with_its_answers_in_it(default_lm, length):
     tokenizer = default_lm.tokenizer
@@ -30,10 +76,13 @@ def test_every_task_makes_a_sample_of_about_its_length_with_its_answers_in_it(de
         assert make(tokenizer, length, 4).answers != sample.answers, name
 
 
+@pytest.mark.slow
 def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
     subprocess.run([sys.executable, "evaluate.py", "--quick", "--out", str(tmp_path), "--name", "quick"],
                    cwd=BENCHMARKS, check=True, capture_output=True, text=True, timeout=1800)
-    runs = json.loads((tmp_path / "quick.json").read_text())["runs"]
+    written = json.loads((tmp_path / "quick.json").read_text())
+    runs = written["runs"]
+    assert set(written["config"]) == set(SYSTEMS) and written["commit"] and "evaluate.py --quick" in written["command"]
     assert {(r["task"], r["system"]) for r in runs} == {
         (task, system) for task in ("passkey", "niah-multikey", "conversation") for system in SYSTEMS
     }

