@@ -4,11 +4,10 @@
     s = lm.session()
     s.ingest(open("book.txt").read())
     s.chat("Who wrote the letter?")
+
+Everything a caller needs is exported here; the modules behind it are private to the package.
 """
 
-from engramkv.lm import EpisodicLM
-from engramkv.results import IngestReport, RecalledEvent
-from engramkv.session import Session
 from engramkv.config import (
     EngineConfig,
     GenerationConfig,
@@ -36,11 +35,18 @@ from engramkv.errors import (
     StoreLockedError,
     StoreMismatchError,
 )
-from engramkv.memory.events import Event, EventMemory, InMemoryEventMemory
-from engramkv.storage.store import EventStore, NamespaceInfo, NamespaceMemory
+from engramkv.lm import EpisodicLM
+from engramkv.memory.events import DocumentProgress, Event, EventMemory, InMemoryEventMemory, TierBytes
+from engramkv.results import IngestProgress, IngestReport, RecalledEvent, SessionStats
+from engramkv.retrieval.question import RecallPlan
+from engramkv.session import Session
+from engramkv.spec import ModelSpec
+from engramkv.storage.namespace import NamespaceMemory
+from engramkv.storage.store import EventStore, NamespaceInfo
 
 __all__ = [
     "ConfigError",
+    "DocumentProgress",
     "EmptyInputError",
     "EngineConfig",
     "EngramError",
@@ -51,27 +57,32 @@ __all__ = [
     "GenerationConfig",
     "InMemoryEventMemory",
     "IndexConfig",
+    "IngestProgress",
     "IngestReport",
     "InputError",
     "ModelConfig",
     "ModelLoadError",
+    "ModelSpec",
     "NamespaceError",
     "NamespaceInfo",
     "NamespaceMemory",
     "ReadOnlyError",
     "RecallConfig",
+    "RecallPlan",
     "RecalledEvent",
     "RefinementConfig",
     "RepresentativeConfig",
     "SegmentationConfig",
     "Session",
     "SessionError",
+    "SessionStats",
     "StoreConfig",
     "StoreCorruptError",
     "StoreError",
     "StoreFullError",
     "StoreLockedError",
     "StoreMismatchError",
+    "TierBytes",
     "WindowConfig",
 ]
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engramkv.errors import EngramError
+from engramkv import EngramError, IngestProgress
 
 DEFAULT_STORE = "~/.engramkv/store"
 
@@ -49,32 +49,27 @@ class _IngestBar:
     Bytes and tokens/s count from the first report, so a resumed ingest does not count what was stored before.
     """
 
-    def __init__(self, session: Any, path: str, hidden: bool) -> None:
-        self.session, self.path, self.hidden = session, path, hidden
-        self.size = Path(path).stat().st_size if Path(path).is_file() else 0
+    def __init__(self, path: str, hidden: bool) -> None:
+        self.path, self.hidden = path, hidden
         self.bar: Any = None
         self.started, self.first_tokens = 0.0, 0
 
-    def report(self, tokens: int, events: int) -> None:
+    def report(self, progress: IngestProgress) -> None:
         from tqdm import tqdm  # type: ignore[import-untyped]
 
-        position = self.session.ingest_progress()
         if self.bar is None:
-            self.bar = tqdm(total=self.size, initial=position[0] if position is not None else 0, unit="B",
+            self.bar = tqdm(total=progress.size_bytes or 0, initial=progress.bytes_read or 0, unit="B",
                             unit_scale=True, desc=Path(self.path).name, disable=self.hidden, dynamic_ncols=True)
-            self.started, self.first_tokens = time.perf_counter(), tokens
-        elif position is not None:
-            self.bar.update(position[0] - self.bar.n)
-        rate = (tokens - self.first_tokens) / max(time.perf_counter() - self.started, 1e-9)
-        self.bar.set_postfix_str(f"{tokens:,} tokens, {rate:,.0f} tok/s, {events:,} events", refresh=True)
+            self.started, self.first_tokens = time.perf_counter(), progress.tokens
+        elif progress.bytes_read is not None:
+            self.bar.update(progress.bytes_read - self.bar.n)
+        rate = (progress.tokens - self.first_tokens) / max(time.perf_counter() - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{progress.tokens:,} tokens, {rate:,.0f} tok/s, {progress.events:,} events",
+                                 refresh=True)
 
     def close(self) -> None:
-        if self.bar is None:
-            return
-        position = self.session.ingest_progress()
-        if position is not None:
-            self.bar.update(position[0] - self.bar.n)
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 # ---------------------------------------------------------------------- commands
@@ -89,7 +84,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             if last is not None and last.name == resolved and not last.complete and not args.json:
                 print(f"resuming {path} at byte {last.bytes_done:,} of {last.size_bytes:,} "
                       f"({last.token_end - last.token_start:,} tokens already stored)", file=sys.stderr)
-            bar = _IngestBar(session, path, hidden=args.json)
+            bar = _IngestBar(path, hidden=args.json)
             try:
                 report = session.ingest_file(path, progress=bar.report)
             finally:

@@ -1,12 +1,13 @@
 """Every knob of engramkv, as one tree of pydantic models.
 
-`EngineConfig` is the root. Each sub-model groups the knobs of one algorithm; the
-defaults are the ones DESIGN.md argues for, sized for SmolLM2-135M (trained length 8192).
+`EngineConfig` is the root. Each sub-model groups the knobs of one algorithm; the defaults are
+sized for the embedded SmolLM2-135M (trained length 8192), and a field's description says what
+was measured where a default rests on a measurement.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -99,6 +100,9 @@ class RecallConfig(_Strict):
     )
     contiguity_fraction: float = Field(
         default=0.3, ge=0, le=1, description="Share of the budget given to temporal neighbours of the hits."
+    )
+    max_neighbour_distance: int = Field(
+        default=8, ge=0, description="Farthest temporal neighbour (event id +/- d) the contiguity stage adds."
     )
     contiguity_buffer: int = Field(
         default=4, ge=0, description="Similarity hits of earlier steps kept as contiguity candidates (0 disables)."
@@ -244,6 +248,13 @@ class EngineConfig(_Strict):
     recall: RecallConfig = RecallConfig()
     generation: GenerationConfig = GenerationConfig()
     store: StoreConfig = StoreConfig()
+
+    # The knobs that shape the stream itself: a stored stream can only continue under the same ones.
+    STREAM_SETTINGS: ClassVar[tuple[str, ...]] = ("window", "segmentation", "refinement", "representatives")
+
+    def stream_settings(self) -> dict[str, Any]:
+        """The stream-shaping sub-configs as plain data (what a checkpoint records and a reopen must match)."""
+        return {name: getattr(self, name).model_dump() for name in self.STREAM_SETTINGS}
 
     def attention_span(self, max_new_tokens: int = 0) -> int:
         """Largest number of keys any query can see: sinks + memory + local (+ one event of slack) + chunk."""

@@ -1,18 +1,19 @@
-"""EpisodicLM: a causal LM with an episodic memory in its attention."""
+"""EpisodicLM: a loaded model patched for episodic attention, and the sessions and stores opened over it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from engramkv import hf
-from engramkv.session import Session
-from engramkv.config import EngineConfig
+from engramkv.config import EngineConfig, StoreConfig
 from engramkv.errors import ConfigError
-from engramkv.memory.events import EventMemory
+from engramkv.memory.events import EventMemory, InMemoryEventMemory
 from engramkv.memory.summary import summary_layer_ids
+from engramkv.session import Session
 from engramkv.storage.store import DEFAULT_NAME, EventStore
 
 
@@ -26,7 +27,7 @@ class EpisodicLM:
         self.spec = hf.model_spec(model, model_id)
         self.rope = hf.install_episodic_attention(model)
         self._check(self.config)
-        self._stores: dict[tuple[Path, bool], EventStore] = {}
+        self._stores: dict[tuple[Path, bool], tuple[EventStore, StoreConfig]] = {}
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, config: EngineConfig | None = None) -> EpisodicLM:
@@ -58,24 +59,39 @@ class EpisodicLM:
         """
         config = config or self.config
         self._check(config)
+        spec = self.spec
+        summary_layers = summary_layer_ids(spec.num_layers, config.recall.summary_layers)
         if store is not None:
             if memory is not None:
                 raise ConfigError("give a session either memory= or store=, not both")
             memory = self.open_store(store, config, read_only).namespace(
-                user_id, agent_id, session_id, device=self.model.device, dtype=self.model.dtype,
-                summary_layers=summary_layer_ids(self.spec.num_layers, config.recall.summary_layers))
-        return Session(self, config, memory)
+                user_id, agent_id, session_id, summary_layers=summary_layers, device=self.model.device,
+                dtype=self.model.dtype)
+        elif memory is None:  # not `memory or ...`: an empty memory has len 0 and is falsy
+            dtype = getattr(torch, config.recall.memory_dtype)
+            memory = InMemoryEventMemory(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
+        return Session(self, config, memory, summary_layers)
 
     def open_store(self, path: str | Path, config: EngineConfig | None = None, read_only: bool = False) -> EventStore:
-        """The persistent store at `path`, opened once per process and mode (it checks the model's fingerprint)."""
+        """The persistent store at `path`, opened once per process and mode (it checks the model's fingerprint).
+
+        A store stays open with the `StoreConfig` it was first opened with; opening it again with another
+        one raises `ConfigError` (close this model's stores first to change them).
+        """
         key = (Path(path).expanduser().resolve(), read_only)
+        wanted = (config or self.config).store
         if key not in self._stores:
-            self._stores[key] = EventStore(key[0], self.spec, (config or self.config).store, read_only=read_only)
-        return self._stores[key]
+            self._stores[key] = (EventStore(key[0], self.spec, wanted, read_only=read_only), wanted)
+        store, opened_with = self._stores[key]
+        if opened_with != wanted:
+            changed = sorted(k for k, v in wanted.model_dump().items() if opened_with.model_dump()[k] != v)
+            raise ConfigError(f"the store {key[0]} is already open with other store settings ({', '.join(changed)}); "
+                              "use the same StoreConfig, or close it first (EpisodicLM.close)")
+        return store
 
     def close(self) -> None:
         """Close every store this model opened (sessions on them should be closed first)."""
-        for store in self._stores.values():
+        for store, _ in self._stores.values():
             store.close()
         self._stores.clear()
 

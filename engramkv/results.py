@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel
 
+from engramkv.memory.events import EventMemory
+
 
 class RecalledEvent(BaseModel):
-    """One event returned by `Session.recall`."""
+    """One event returned by `Session.recall`, or one an answer attended to (`Session.last_recalled`)."""
 
     event_id: int
     text: str
@@ -50,3 +53,27 @@ class SessionStats(BaseModel):
     warm_bytes: int  # encoded blobs in host RAM (in-RAM sessions: all event KV)
     disk_bytes: int
     committed_tokens: int
+
+
+class IngestProgress(BaseModel):
+    """What an ingest progress callback receives, once before the first chunk and after every chunk."""
+
+    tokens: int  # read by the model in this session's stream so far
+    events: int  # sealed in this session's stream so far
+    bytes_read: int | None = None  # ingest_file: bytes of the file the model has read (estimated)
+    size_bytes: int | None = None  # ingest_file: the file's size
+
+
+def recalled_events(memory: EventMemory, decode: Callable[[list[int]], str],
+                    scored: Sequence[tuple[int, float]]) -> list[RecalledEvent]:
+    """`RecalledEvent`s for (event id, score) pairs, in the given order, with their text and provenance."""
+    details = memory.event_details([event_id for event_id, _ in scored])
+    results = []
+    for event_id, score in scored:
+        event = memory.event(event_id)
+        document, created = details.get(event_id, (None, None))
+        results.append(RecalledEvent(
+            event_id=event_id, text=decode(memory.tokens(event_id)), token_start=event.start,
+            token_end=event.end, score=score, document=document, time=created,
+        ))
+    return results

@@ -44,7 +44,7 @@ def worker(store: str, text_path: str) -> None:
     _, lm = tiny_pair("llama", EngineConfig.model_validate(WORKER_CONFIG))
     session = lm.session(store=store)
     print("ingesting", flush=True)
-    report = session.ingest_file(text_path, progress=lambda tokens, events: print("tokens", tokens, flush=True))
+    report = session.ingest_file(text_path, progress=lambda record: print("tokens", record.tokens, flush=True))
     session.close()
     print("done", report.model_dump_json(), flush=True)
 

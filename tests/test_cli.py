@@ -108,10 +108,10 @@ def test_ctrl_c_then_the_same_command_resumes(tmp_path, capsys, monkeypatch):
     chunks = [0]
 
     def interrupted(self, path, progress=None):
-        def press(tokens, events):
+        def press(record):
             chunks[0] += 1
             if progress is not None:
-                progress(tokens, events)
+                progress(record)
             if chunks[0] == 15:
                 os.kill(os.getpid(), signal.SIGINT)
 

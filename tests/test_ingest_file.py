@@ -93,7 +93,7 @@ def test_ctrl_c_commits_and_the_same_call_resumes_exactly(tmp_path):
     s = lm.session(store=tmp_path / "s")
     chunks = [0]
 
-    def press_ctrl_c(tokens, events):
+    def press_ctrl_c(record):
         chunks[0] += 1
         if chunks[0] == 20:
             os.kill(os.getpid(), signal.SIGINT)  # delivered to the handler ingest_file installs

@@ -2,8 +2,23 @@ import inspect
 
 import engramkv
 
+EXPORTED = {
+    # the model, its sessions and stores
+    "EpisodicLM", "Session", "EventStore", "NamespaceMemory", "NamespaceInfo",
+    # what calls return or take
+    "IngestReport", "IngestProgress", "RecalledEvent", "SessionStats", "RecallPlan", "ModelSpec",
+    "Event", "EventMemory", "InMemoryEventMemory", "DocumentProgress", "TierBytes",
+    # the config tree
+    "EngineConfig", "ModelConfig", "WindowConfig", "SegmentationConfig", "RefinementConfig", "RepresentativeConfig",
+    "RecallConfig", "GenerationConfig", "StoreConfig", "IndexConfig",
+    # the exception tree
+    "EngramError", "ConfigError", "ModelLoadError", "InputError", "EmptyInputError", "SessionError", "StoreError",
+    "StoreLockedError", "StoreMismatchError", "StoreCorruptError", "StoreFullError", "ReadOnlyError", "NamespaceError",
+}
 
-def test_all_is_sorted_and_complete():
+
+def test_all_is_exactly_the_public_surface():
+    assert set(engramkv.__all__) == EXPORTED
     assert engramkv.__all__ == sorted(engramkv.__all__)
     for name in engramkv.__all__:
         assert hasattr(engramkv, name), name
@@ -20,3 +35,28 @@ def test_one_exception_tree():
         obj = getattr(engramkv, name)
         if inspect.isclass(obj) and issubclass(obj, Exception):
             assert issubclass(obj, engramkv.EngramError), name
+
+
+def test_every_class_in_a_public_signature_is_exported():
+    """What a public method returns or takes (of engramkv's own classes) can be named from the package."""
+    public = [engramkv.EpisodicLM, engramkv.Session, engramkv.EventStore]
+    for cls in public:
+        for name, member in inspect.getmembers(cls, inspect.isfunction):
+            if name.startswith("_"):
+                continue
+            hints = inspect.get_annotations(member, eval_str=True)
+            for hint in hints.values():
+                for part in _classes(hint):
+                    if part.__module__.startswith("engramkv"):
+                        assert part.__name__ in EXPORTED, f"{cls.__name__}.{name} uses {part.__name__}"
+
+
+def _classes(hint):
+    import typing
+
+    args = typing.get_args(hint)
+    if args:
+        for arg in args:
+            yield from _classes(arg)
+    elif inspect.isclass(hint):
+        yield hint

@@ -9,7 +9,7 @@ from engramkv.config import RecallConfig, SegmentationConfig, WindowConfig
 from engramkv.errors import InputError
 from engramkv.memory.events import Event, InMemoryEventMemory
 from engramkv.memory.summary import key_summary, summary_layer_ids
-from engramkv.retrieval.question import answer_events, match_question, rerank
+from engramkv.retrieval.question import answer_events, match_question, span_scores
 
 from conftest import VOCAB, tiny_pair
 
@@ -62,15 +62,15 @@ def test_the_event_holding_the_question_words_wins_over_a_long_near_miss():
     assert ranked[0][0] == 7  # exact token matches beat the blur after re-ranking
     assert ranked[0][1] == pytest.approx(1.0, abs=1e-4)  # every question token has a cosine-1 match
     assert [s for _, s in ranked] == sorted((s for _, s in ranked), reverse=True)
-    scores = rerank(memory, [7, 12], question_keys, list(range(LAYERS)))
+    scores = span_scores(memory, [7, 12], question_keys, list(range(LAYERS)), neighbours=0)[0]
     assert scores[0] > scores[1]
 
 
 def test_answer_events_take_hits_then_neighbours_in_time_order():
     memory = _memory([torch.randn(HEADS, 10, DIM) for _ in range(20)])
-    assert answer_events(memory, [9, 3], budget=50) == [3, 4, 8, 9, 10]  # 9, 3, then 10, 8, 4 by distance
-    assert answer_events(memory, [9, 3], budget=5) == []  # nothing fits
-    assert answer_events(memory, [19], budget=30) == [17, 18, 19]  # no event past the end
+    assert answer_events(memory, [9, 3], budget=50, max_distance=8) == [3, 4, 8, 9, 10]  # 9, 3, then 10, 8, 4 by distance
+    assert answer_events(memory, [9, 3], budget=5, max_distance=8) == []  # nothing fits
+    assert answer_events(memory, [19], budget=30, max_distance=8) == [17, 18, 19]  # no event past the end
 
 
 def _stream(n, seed=0):
@@ -98,23 +98,41 @@ def test_recall_finds_the_event_that_holds_the_query():
 def test_a_chat_answer_attends_to_the_matched_events_in_every_layer(monkeypatch):
     session, planted, at = _planted_session()
     seen: list[list[list[int]]] = []
-    original = session.state.step
-
-    def step(token_ids, mode="ingest"):
-        logits = original(token_ids, mode)
-        if mode in ("prompt", "decode"):
-            seen.append([list(layer.recalled_ids) for layer in session.state.layers])
-        return logits
-
-    monkeypatch.setattr(session.state, "step", step)
+    plans = _spy_on_plans(monkeypatch, session, lambda: seen.append([list(l.recalled_ids) for l in session.state.layers]))
     session.chat(" ".join(map(str, planted)), max_new_tokens=4)
     hits = [r.event_id for r in session.last_recalled]
     assert len(hits) == 2
     top = session.memory.event(hits[0])
     assert top.start < at + len(planted) and top.end > at
-    pinned = answer_events(session.memory, hits, budget=48)
+    pinned = answer_events(session.memory, hits, budget=48, max_distance=8)
     assert seen and all(layers == [pinned] * len(layers) for layers in seen)  # every layer, every step
-    assert session.state.pinned_events is None  # only for the turn
+    plans.clear()
+    session.ingest(" ".join(map(str, _stream(40, seed=5))))
+    assert plans and all(plan is None for plan in plans)  # the plan was only for the turn
+
+
+def _spy_on_plans(monkeypatch, session, on_answer_step):
+    """Record the plan of every engine step; call `on_answer_step` after each step read with a plan."""
+    plans = []
+    state = session.state
+    step, decode = state.step, state.decode
+
+    def spied_step(token_ids, plan=None):
+        logits = step(token_ids, plan)
+        plans.append(plan)
+        if plan is not None:
+            on_answer_step()
+        return logits
+
+    def spied_decode(token_id, plan):
+        logits = decode(token_id, plan)
+        plans.append(plan)
+        on_answer_step()
+        return logits
+
+    monkeypatch.setattr(state, "step", spied_step)
+    monkeypatch.setattr(state, "decode", spied_decode)
+    return plans
 
 
 def test_attention_mode_reports_what_the_layers_recalled():
@@ -144,11 +162,11 @@ def test_a_store_reopened_matches_questions_like_the_live_session(tmp_path):
     assert reopened[0] == live[0]
 
 
-def test_cosine_helper_matches_torch():  # guards the einsum in rerank against a transposed head axis
+def test_cosine_helper_matches_torch():  # guards the einsum in span_scores against a transposed head axis
     keys = torch.randn(HEADS, 4, DIM)
     question = torch.randn(HEADS, 2, DIM)
     memory = _memory([keys])
-    got = rerank(memory, [0], question[None].expand(LAYERS, -1, -1, -1), list(range(LAYERS)))[0]
+    got = span_scores(memory, [0], question[None].expand(LAYERS, -1, -1, -1), list(range(LAYERS)), neighbours=0)[0][0]
     cos = torch.stack([F.cosine_similarity(keys[h][:, None], question[h][None], dim=-1) for h in range(HEADS)])
     assert got == pytest.approx(cos.mean(0).max(0).values.mean().item(), abs=1e-5)
 
@@ -172,17 +190,9 @@ def test_a_question_answered_by_the_window_recalls_nothing(monkeypatch):
     session = lm.session()
     planted = [7, 77, 177, 17, 71, 170, 107, 7]
     session.ingest(" ".join(map(str, _stream(600) + planted + _stream(20, seed=1))))  # planted: in the local window
-    assert session.state.local_start < session.state.n_tokens - 28
+    assert session.state.stream.local_start < session.state.n_tokens - 28
     seen: list[list[int]] = []
-    original = session.state.step
-
-    def step(token_ids, mode="ingest"):
-        logits = original(token_ids, mode)
-        if mode in ("prompt", "decode"):
-            seen.extend(list(layer.recalled_ids) for layer in session.state.layers)
-        return logits
-
-    monkeypatch.setattr(session.state, "step", step)
+    _spy_on_plans(monkeypatch, session, lambda: seen.extend(list(layer.recalled_ids) for layer in session.state.layers))
     session.chat(" ".join(map(str, planted)), max_new_tokens=3)
     assert seen and all(ids == [] for ids in seen)  # memory would only crowd the window
     assert session.last_recalled == []
@@ -228,11 +238,21 @@ def test_before_question_layout_puts_the_answer_events_between_the_text_and_the_
         session.cfg.recall.answer_layout = layout
         calls = seen[layout] = []
 
-        def spy(sink, local, memory, new, memory_at, calls=calls, state=session.state):
-            if state.mode in ("prompt", "decode") and memory.shape[1]:
-                calls.append((memory_at, state.pinned_from - state.local_start, local.shape[1]))
+        current = {}
+        real_attend = session.state.attend
+
+        def attend(layer, query, key, value, scaling, forward, current=current, real_attend=real_attend):
+            current["plan"] = forward.plan
+            return real_attend(layer, query, key, value, scaling, forward)
+
+        def spy(sink, local, memory, new, memory_at, calls=calls, state=session.state, current=current):
+            plan = current.get("plan")
+            if plan is not None and memory.shape[1]:
+                prompt_start = plan.memory_at if plan.memory_at is not None else state.n_tokens
+                calls.append((memory_at, prompt_start - state.stream.local_start, local.shape[1]))
             return real(sink, local, memory, new, memory_at)
 
+        monkeypatch.setattr(session.state, "attend", attend)
         monkeypatch.setattr(engine, "assemble", spy)
         question = " ".join(map(str, planted))
         session.generate(f"9 {question} 7", max_new_tokens=3, question=question)

@@ -30,8 +30,8 @@ def test_events_tile_the_stream_without_gaps(mode):
     for before, after in zip(events, events[1:]):
         assert before.end == after.start
     assert all(4 <= e.length <= 24 for e in events)
-    assert session.state.local_start == events[-1].end
-    local = session.state.n_tokens - session.state.local_start
+    assert session.state.stream.local_start == events[-1].end
+    local = session.state.n_tokens - session.state.stream.local_start
     assert local <= cfg.window.n_local + cfg.segmentation.max_event
     if mode == "uniform":
         assert {e.length for e in events} == {16}
@@ -103,7 +103,7 @@ def test_stream_pieces_equal_one_string():
 
 def _all_tokens(session):
     sealed = [t for i in range(len(session.memory)) for t in session.memory.tokens(i)]
-    return session.state.sink_tokens.tolist() + sealed + session.state.tail_tokens.tolist()
+    return session.state.stream.sink_tokens.tolist() + sealed + session.state.stream.tail_tokens.tolist()
 
 
 def test_recall_runs_for_the_prompt_and_every_decode_interval(monkeypatch):
@@ -141,7 +141,7 @@ def test_long_generation_seals_events_and_keeps_the_window_bounded():
     before = len(session.memory)
     session.generate_ids([9], max_new_tokens=300)
     assert len(session.memory) > before
-    assert session.state.n_tokens - session.state.local_start <= CFG.window.n_local + CFG.segmentation.max_event
+    assert session.state.n_tokens - session.state.stream.local_start <= CFG.window.n_local + CFG.segmentation.max_event
 
 
 def test_a_busy_session_refuses_a_second_call():

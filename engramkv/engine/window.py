@@ -1,4 +1,4 @@
-"""Positions for the assembled attention window.
+"""The assembled attention window: positions, the causal mask, assembly, and the attention residents received.
 
 The window of one layer is  [sinks (S) | recalled memory (M) | local window (L) | new tokens (C)],
 or, while an answer reads its prompt and writes (`RecallConfig.answer_layout = "before_question"`),
@@ -45,3 +45,26 @@ def resident_columns(weights: torch.Tensor, n_sink: int, memory_at: int, n_memor
     """The columns of an assembled window's (..., N) weights that belong to local and new tokens, in order."""
     start = n_sink + memory_at
     return torch.cat([weights[..., n_sink:start], weights[..., start + n_memory :]], dim=-1)
+
+
+def received_attention(
+    q_rot: torch.Tensor,  # (H, C, D) the new tokens' queries, rotated
+    k_rot: torch.Tensor,  # (Hkv, N, D) the assembled window's keys, rotated
+    scaling: float,
+    stat_queries: int,
+    n_sink: int,
+    memory_at: int,
+    n_memory: int,
+) -> torch.Tensor:  # (Hkv, L + C)
+    """Attention the last `stat_queries` queries pay to each local and new token, summed over them and
+    over the query heads of each KV head (what picks an event's representatives)."""
+    h, c, d = q_rot.shape
+    hkv, n_keys = k_rot.shape[0], k_rot.shape[1]
+    s = min(c, stat_queries)
+    probe = q_rot[:, -s:].float().reshape(hkv, (h // hkv) * s, d)  # (Hkv, G*s, D)
+    logits = (probe @ k_rot.float().transpose(1, 2) * scaling).view(hkv, h // hkv, s, n_keys)  # (Hkv, G, s, N)
+    # Causality only bites inside the last s keys (the probing queries themselves).
+    future = ~lower_right_causal_mask(s, s).to(q_rot.device)  # (s, s) strictly upper triangle
+    logits[..., n_keys - s :].masked_fill_(future, float("-inf"))
+    weights = logits.softmax(dim=-1).sum(dim=(1, 2))  # (Hkv, N)
+    return resident_columns(weights, n_sink, memory_at, n_memory).cpu()

@@ -15,6 +15,7 @@ refinement may later move them before events are sealed.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -22,6 +23,8 @@ from engramkv.config import SegmentationConfig
 
 
 class OnlineSegmenter:
+    """Emits event boundaries (global token indices) from the surprise of tokens pushed in stream order."""
+
     def __init__(self, cfg: SegmentationConfig, window: int, start: int = 0):
         self.cfg = cfg
         self.window = window
@@ -46,6 +49,14 @@ class OnlineSegmenter:
         self.position += len(values)
         self.history.extend(values)
         return boundaries
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"history": list(self.history), "event_start": self.event_start, "position": self.position}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        self.history.clear()
+        self.history.extend(snapshot["history"])
+        self.event_start, self.position = snapshot["event_start"], snapshot["position"]
 
     def _max_length(self) -> int:
         return self.cfg.uniform_size if self.cfg.mode == "uniform" else self.cfg.max_event

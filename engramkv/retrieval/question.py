@@ -21,19 +21,116 @@ So a question is matched in two steps:
    thousand identical filler events, and a sentence cut in two by a boundary from losing to a whole one.
 
 The best `answer_hits` events, with their temporal neighbours up to the answer budget, are then
-what every layer attends to while the answer is written.
+what every layer attends to while the answer is written, unless the resident window (sinks and local
+text) matches the question better by more than `window_margin`: then the answer recalls nothing.
+`plan_answer` makes that decision and returns it as a `RecallPlan`, which the engine's steps take
+as an argument.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engramkv.config import RecallConfig
 from engramkv.memory.events import EventMemory
 from engramkv.memory.summary import key_summary
 from engramkv.retrieval.recall import add_neighbours
+
+
+@dataclass(frozen=True)
+class RecallPlan:
+    """How a prompt and its answer read memory: which events, where they sit, and the token budget.
+
+    events: the events every layer attends to (chronological); `None` lets each layer recall by its own
+    queries within `budget`, `()` recalls nothing. memory_at: the stream index the recalled events sit
+    before (the prompt's start, for `answer_layout = "before_question"`), or `None` for before the local
+    window. hits: the matched events with their scores, best first (what an answer reports).
+    """
+
+    events: tuple[int, ...] | None
+    budget: int
+    memory_at: int | None = None
+    hits: tuple[tuple[int, float], ...] = ()
+
+
+def answer_budget(cfg: RecallConfig) -> int:
+    """Memory tokens per layer while a prompt is read and answered: at most the reading budget."""
+    if cfg.answer_budget_tokens is None:
+        return cfg.budget_tokens
+    return min(cfg.budget_tokens, cfg.answer_budget_tokens)
+
+
+def layer_recall_plan(cfg: RecallConfig) -> RecallPlan:
+    """An answer without a question to match: each layer recalls by its own queries, within the answer budget."""
+    return RecallPlan(events=None, budget=answer_budget(cfg))
+
+
+def plan_answer(
+    memory: EventMemory,
+    question_keys: torch.Tensor,  # (S, Hkv, C, D) the question's pre-RoPE keys at the summary layers
+    layers: Sequence[int],  # the summary layers
+    recalled_per_layer: Iterable[list[int]],  # what each layer's query recall chose for the probed prompt
+    resident_keys: Sequence[torch.Tensor],  # (Hkv, R, D) per summary layer: sinks and local window
+    cfg: RecallConfig,
+    prompt_start: int,  # stream index of the prompt's first token
+) -> RecallPlan:
+    """The events an answer attends to: the best `answer_hits` matches and their neighbours in time, or
+    nothing when the resident window matches the question better (memory would only crowd it: measured,
+    a passkey in the window answered with 512 recalled filler tokens was lost, with none found)."""
+    budget = answer_budget(cfg)
+    matches = match(memory, question_keys, layers, recalled_per_layer, cfg, cfg.answer_hits)
+    if not matches:
+        return RecallPlan(events=None, budget=budget)  # nothing to match on: the per-layer recall decides
+    if window_score(memory, matches, resident_keys, question_keys, cfg.match_neighbours) > (
+        matches[0][1] + cfg.window_margin
+    ):
+        return RecallPlan(events=(), budget=budget)
+    events = answer_events(memory, [event_id for event_id, _ in matches], budget, cfg.max_neighbour_distance)
+    before_question = cfg.answer_layout == "before_question" and cfg.positions == "contiguous"
+    return RecallPlan(tuple(events), budget, prompt_start if before_question else None, tuple(matches))
+
+
+def match(
+    memory: EventMemory,
+    question_keys: torch.Tensor,  # (S, Hkv, C, D)
+    layers: Sequence[int],
+    recalled_per_layer: Iterable[list[int]],
+    cfg: RecallConfig,
+    k: int,
+) -> list[tuple[int, float]]:
+    """The best `k` (event id, score) for a question; the events the layers' query recall chose are
+    re-ranked too, most voted first (a summary search alone can be crowded out)."""
+    voted = [event_id for event_id, _ in votes(recalled_per_layer)[: cfg.rerank_candidates]]
+    return match_question(memory, question_keys, layers, k, cfg.rerank_candidates, also=voted,
+                          neighbours=cfg.match_neighbours)
+
+
+def window_score(
+    memory: EventMemory,
+    matches: Sequence[tuple[int, float]],
+    resident_keys: Sequence[torch.Tensor],  # (Hkv, R, D) per summary layer
+    question_keys: torch.Tensor,  # (S, Hkv, C, D)
+    neighbours: int,
+) -> float:
+    """The best score of a piece of the resident window, cut into pieces as long as the matched spans:
+    what the window offers, measured the way the events were (-inf when there is nothing to compare)."""
+    if not matches or question_keys.shape[2] == 0 or resident_keys[0].shape[1] == 0:
+        return float("-inf")
+    span_tokens = sum(memory.event(m).length for e, _ in matches for m in match_span(memory, e, neighbours))
+    span_tokens = max(1, round(span_tokens / len(matches)))
+    owner = torch.arange(resident_keys[0].shape[1]) // span_tokens  # (R,)
+    return float(token_match(resident_keys, owner, int(owner[-1]) + 1, question_keys).max())
+
+
+def votes(chosen_per_layer: Iterable[list[int]]) -> list[tuple[int, int]]:
+    """(event id, number of layers that chose it), most chosen first, then by id."""
+    counts = Counter(event_id for chosen in chosen_per_layer for event_id in chosen)
+    return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
 
 
 def match_span(memory: EventMemory, event_id: int, neighbours: int) -> range:
@@ -41,27 +138,16 @@ def match_span(memory: EventMemory, event_id: int, neighbours: int) -> range:
     return range(max(0, event_id - neighbours), min(len(memory), event_id + neighbours + 1))
 
 
-def rerank(
-    memory: EventMemory,
-    candidates: Sequence[int],
-    question_keys: torch.Tensor,  # (S, Hkv, C, D), the layers of `layers`
-    layers: Sequence[int],
-    neighbours: int = 0,
-) -> list[float]:
-    """Token-level score of each candidate with `neighbours` events on each side (`match_span`): for each
-    question token and layer the best key cosine anywhere in that span, averaged over tokens and layers.
+def span_scores(
+    memory: EventMemory, candidates: Sequence[int], question_keys: torch.Tensor, layers: Sequence[int], neighbours: int
+) -> tuple[list[float], dict[int, float]]:
+    """(score of each candidate's span, score of every event in those spans alone): for each question token
+    and layer the best key cosine anywhere in the span (`match_span`), averaged over tokens and layers.
 
     Why the neighbours: a surprise boundary falls where a sentence turns informative, so "One of the
     magic numbers for" and "nimbus-brisk is: 8995970." land in two events; scored alone, neither
     matches the question as well as a whole sentence about another key (measured: RULER multi-key).
     """
-    return _span_and_own_scores(memory, candidates, question_keys, layers, neighbours)[0]
-
-
-def _span_and_own_scores(
-    memory: EventMemory, candidates: Sequence[int], question_keys: torch.Tensor, layers: Sequence[int], neighbours: int
-) -> tuple[list[float], dict[int, float]]:
-    """(score of each candidate's span, score of every event in those spans alone)."""
     if not candidates:
         return [], {}
     spans = [match_span(memory, e, neighbours) for e in candidates]
@@ -123,9 +209,9 @@ def match_question(
         return []
     ids, _ = memory.search_keys(key_summary(question_keys), max(k, candidates))
     ids = list(dict.fromkeys([*ids, *also]))
-    span_scores, own_scores = _span_and_own_scores(memory, ids, question_keys, layers, neighbours)
+    scores, own_scores = span_scores(memory, ids, question_keys, layers, neighbours)
     hits: list[tuple[int, float]] = []
-    for candidate, score in sorted(zip(ids, span_scores), key=lambda pair: -pair[1]):
+    for candidate, score in sorted(zip(ids, scores), key=lambda pair: -pair[1]):
         # The span's hit is the member that matches best by itself (a neighbour's span holds the match too).
         hit = max(match_span(memory, candidate, neighbours), key=lambda m: own_scores[m])
         if all(abs(hit - other) > neighbours for other, _ in hits):  # one hit per stretch of text
@@ -135,7 +221,7 @@ def match_question(
     return hits
 
 
-def answer_events(memory: EventMemory, hits: Sequence[int], budget: int) -> list[int]:
+def answer_events(memory: EventMemory, hits: Sequence[int], budget: int, max_distance: int) -> list[int]:
     """The hits (best first, while they fit) and their temporal neighbours, up to `budget` tokens; chronological."""
     chosen: set[int] = set()
     used = 0
@@ -144,5 +230,20 @@ def answer_events(memory: EventMemory, hits: Sequence[int], budget: int) -> list
         if used + length <= budget:
             chosen.add(event_id)
             used += length
-    add_neighbours(memory, chosen, [h for h in hits if h in chosen], used, budget)
+    add_neighbours(memory, chosen, [h for h in hits if h in chosen], used, budget, max_distance)
     return sorted(chosen)
+
+
+def match_by_queries(memory: EventMemory, queries: Sequence[torch.Tensor], k: int) -> list[tuple[int, float]]:
+    """The best `k` (event id, score) by the reading queries (`question_match = "attention"`): per layer, the
+    inner products of the layer's recall query (Hkv * D,) with every representative, z-scored; averaged."""
+    n_events = len(memory)
+    total = torch.zeros(n_events)  # (N,)
+    for layer, layer_query in enumerate(queries):
+        event_ids, scores = memory.search(layer, layer_query, k=n_events)
+        s = torch.tensor(scores)  # (N,)
+        z = (s - s.mean()) / s.std().clamp(min=1e-6) if s.numel() > 1 else s * 0
+        total[torch.tensor(event_ids)] += z
+    total /= len(queries)
+    best = torch.topk(total, min(k, n_events))
+    return list(zip(best.indices.tolist(), best.values.tolist()))

@@ -16,9 +16,6 @@ import torch
 from engramkv.config import RecallConfig
 from engramkv.memory.events import EventMemory
 
-MAX_NEIGHBOUR_DISTANCE = 8
-
-
 def select_events(
     memory: EventMemory,
     layer: int,
@@ -49,7 +46,7 @@ def select_events(
             hits.append(first)
             used += memory.event(first).length
 
-    used = add_neighbours(memory, chosen, hits, used, budget)
+    used = add_neighbours(memory, chosen, hits, used, budget, cfg.max_neighbour_distance)
     if buffer is not None:
         for event_id in reversed(buffer):
             used = _take(memory, chosen, event_id, used, budget)
@@ -57,12 +54,15 @@ def select_events(
     return sorted(chosen)
 
 
-def add_neighbours(memory: EventMemory, chosen: set[int], hits: list[int], used: int, budget: int) -> int:
-    """Add temporal neighbours of `hits` to `chosen`, nearest first, while `used` stays within `budget`.
+def add_neighbours(
+    memory: EventMemory, chosen: set[int], hits: list[int], used: int, budget: int, max_distance: int
+) -> int:
+    """Add temporal neighbours of `hits` (up to `max_distance` away) to `chosen`, nearest first, while `used`
+    stays within `budget`.
 
     Returns the tokens used after. id+1 comes before id-1: what follows a match usually completes it.
     """
-    for distance in range(1, MAX_NEIGHBOUR_DISTANCE + 1):
+    for distance in range(1, max_distance + 1):
         for hit in hits:
             used = _take(memory, chosen, hit + distance, used, budget)
             used = _take(memory, chosen, hit - distance, used, budget)

@@ -20,7 +20,7 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Input, ProgressBar, Static
 
-from engramkv.errors import EngramError
+from engramkv import EngramError, EpisodicLM, IngestProgress, Session
 
 HELP = """Commands:
   /ingest PATH     read a text or Markdown file into this session's memory (resumable)
@@ -85,9 +85,10 @@ class ChatApp(App[int]):
         super().__init__()
         self.model_factory = model_factory
         self.store, self.user_id, self.agent_id, self.session_id = store, user_id, agent_id, session_id
-        self.lm: Any = None
-        self.session: Any = None
+        self.lm: EpisodicLM | None = None
+        self.session: Session | None = None
         self.busy: str | None = "loading the model"
+        self._reading: str | None = None  # the file /ingest is reading
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -148,12 +149,12 @@ class ChatApp(App[int]):
             size = 0
         self.call_from_thread(self._start_progress, size)
 
-        def progress(tokens: int, events: int) -> None:
-            position = self.session.ingest_progress()
-            if position is not None:
-                self.call_from_thread(bar.update, progress=position[0])
+        def progress(record: IngestProgress) -> None:
+            if record.bytes_read is not None:
+                self.call_from_thread(bar.update, progress=record.bytes_read)
             self.call_from_thread(self._refresh_panels)
 
+        self._reading = path
         try:
             report = self.session.ingest_file(path, progress=progress)
             if report.already_ingested:
@@ -165,6 +166,8 @@ class ChatApp(App[int]):
             self.call_from_thread(self._say, note, "system")
         except EngramError as err:
             self.call_from_thread(self._say, f"error: {err}", "system")
+        finally:
+            self._reading = None
         self.call_from_thread(self._stop_progress)
         self.call_from_thread(self._idle)
 
@@ -260,9 +263,8 @@ class ChatApp(App[int]):
             f"hot/warm   {stats.hot_bytes / mb:,.1f} / {stats.warm_bytes / mb:,.1f} MiB",
             f"disk       {stats.disk_bytes / mb:,.1f} MiB ({stats.codec})",
         ]
-        reading = self.session.current_document
-        if reading is not None and not reading.complete:
-            lines.insert(3, f"reading    {Path(reading.name).name}")
+        if self._reading is not None:
+            lines.insert(3, f"reading    {Path(self._reading).name}")
         self.query_one("#memory", Static).update("\n".join(lines))
         values, boundaries = self.session.recent_surprise()
         self.query_one("#surprise", Static).update("surprise (recent input)\n" + surprise_plot(values, boundaries))

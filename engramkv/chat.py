@@ -1,0 +1,131 @@
+"""Chat formats, the stop-text streamer and sampling: how a turn becomes token ids and a reply becomes text.
+
+Two formats (`GenerationConfig.chat_format`):
+
+- "qa": `\\n\\nQuestion: MESSAGE\\nAnswer:`, the reply ending at the first blank line that does not
+  follow a colon (a colon announces a list). The embedded 135M model reads recalled events in
+  this form and ignores them under its chat template.
+- "template": the model's own chat template; the preamble it adds (system prompt, role markers)
+  is read as a step of its own, since recall queries are the mean over a step's tokens and the
+  question must not be averaged with them.
+
+Either way the question's own tokens are encoded on their own, so their span (what recall matches)
+is known exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engramkv.config import GenerationConfig
+from engramkv.errors import InputError, SessionError
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One user turn, encoded: a preamble read first, then the prompt with the question's span in it."""
+
+    preamble_ids: list[int]
+    prompt_ids: list[int]
+    question_span: tuple[int, int]  # [start, end) of the question's tokens in prompt_ids
+    stop_text: str | None  # the reply ends where this text follows some output
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    if not isinstance(text, str):
+        raise InputError(f"expected str, got {type(text).__name__}")
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_around(tokenizer: Any, before: str, question: str, after: str) -> tuple[list[int], tuple[int, int]]:
+    """The ids of before + question + after, each encoded on its own, and the question's span."""
+    before_ids, question_ids = encode(tokenizer, before), encode(tokenizer, question)
+    ids = before_ids + question_ids + encode(tokenizer, after)
+    return ids, (len(before_ids), len(before_ids) + len(question_ids))
+
+
+def chat_turn(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str]], message: str) -> Turn:
+    """The token ids of a user turn after `history`, in `cfg.chat_format`."""
+    if cfg.chat_format == "qa":
+        ids, span = encode_around(tokenizer, "\n\nQuestion:", " " + message.strip(), "\nAnswer:")
+        return Turn([], ids, span, "\n\n")
+    turn = {"role": "user", "content": message}
+    preamble, question = _template_turn(tokenizer, history, turn)
+    split = len(message) if question.startswith(message) else 0  # 0: no known message span to match
+    ids, span = encode_around(tokenizer, "", question[:split], question[split:])
+    return Turn(encode(tokenizer, preamble), ids, span, None)
+
+
+def _template_turn(tokenizer: Any, history: list[dict[str, str]], turn: dict[str, str]) -> tuple[str, str]:
+    """The new text the chat template adds for `turn`, split into (preamble, question)."""
+    rendered_before = tokenizer.apply_chat_template(history, tokenize=False) if history else ""
+    rendered = tokenizer.apply_chat_template(history + [turn], add_generation_prompt=True, tokenize=False)
+    delta = rendered[len(rendered_before) :] if rendered.startswith(rendered_before) else rendered
+    at = delta.rfind(turn["content"])
+    return (delta[:at], delta[at:]) if at > 0 else ("", delta)
+
+
+def stream_text(tokenizer: Any, tokens: Iterator[int], stop_text: str | None = None) -> Iterator[str]:
+    """Decoded pieces of `tokens`; with `stop_text`, the text ends where that text first follows some
+    non-blank output that does not end in a colon (the stop text itself is not yielded)."""
+    generated: list[int] = []
+    emitted = ""
+    for token in tokens:
+        generated.append(token)
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            continue
+        if stop_text is not None:
+            begun = len(text) - len(text.lstrip())
+            cut = text.find(stop_text, begun) if begun < len(text) else -1
+            while cut >= 0 and text[:cut].rstrip().endswith(":"):  # "...are:" + blank line: a list follows
+                cut = text.find(stop_text, cut + len(stop_text))
+            if cut >= 0:
+                if cut > len(emitted):
+                    yield text[len(emitted) : cut]
+                return
+            # hold back a tail that could be the start of the stop text
+            text = text[: len(text) - _partial_suffix(text, stop_text)] if begun < len(text) else ""
+        if len(text) > len(emitted):
+            yield text[len(emitted) :]
+            emitted = text
+
+
+def sample(logits: torch.Tensor | None, decode: Callable[[int], torch.Tensor], limit: int, stop: set[int],
+           cfg: GenerationConfig) -> Iterator[int]:
+    """Up to `limit` new tokens: pick one from `logits` (V,), read it with `decode` (which returns the next
+    logits, (1, V)), and so on; a stop token is read but not yielded, and ends the reply."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    for _ in range(limit):
+        if logits is None:
+            raise SessionError("nothing to continue from: the stream holds no tokens")
+        token = pick(logits, cfg.temperature, generator)
+        logits = decode(token)[-1]
+        if token in stop:
+            return
+        yield token
+
+
+def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:  # logits (V,)
+    """The next token: greedy at temperature 0, else sampled from softmax(logits / temperature)."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)  # (V,)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def stop_ids(tokenizer: Any) -> set[int]:
+    eos = tokenizer.eos_token_id
+    return {eos} if eos is not None else set()
+
+
+def _partial_suffix(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of `stop` that `text` ends with."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0

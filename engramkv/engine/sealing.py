@@ -1,0 +1,138 @@
+"""Sealing: surprise -> boundaries -> graph refinement -> events, as tokens leave the local window.
+
+The stream's token side lives here: the sink tokens, the tokens not yet sealed (the local window,
+`stream[local_start:]`), their surprise, and the boundaries the segmenter found among them. After each
+forward pass the engine `record`s the new tokens with their surprise, then `seal`s every whole event
+that starts before the local window's left edge:
+
+    end = next boundary, moved by the graph refinement to the best split of [start, next-but-one)
+    keys, values = the layers' first (end - start) local tokens              # (layers, Hkv, n, D)
+    representatives = mean of the most-attended keys, per layer            # (layers, Hkv * D)
+    key summary = mean unit key over the summary layers                    # (S * Hkv * D,)
+
+and hands the event to the event memory. Every count is derived from the tensors themselves
+(`n_tokens = local_start + len(tail_tokens)`), so no counter can drift from what is held.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engramkv.config import EngineConfig
+from engramkv.memory.events import Event, EventMemory
+from engramkv.memory.refinement import refine_boundary, similarity_graph
+from engramkv.memory.segmentation import OnlineSegmenter
+from engramkv.memory.summary import key_summary, representative
+
+
+@dataclass
+class LayerState:
+    """One layer's resident part of the window, and what it recalled last."""
+
+    sink_k: torch.Tensor  # (Hkv, S', D) pre-RoPE
+    sink_v: torch.Tensor  # (Hkv, S', D)
+    local_k: torch.Tensor  # (Hkv, L, D) pre-RoPE
+    local_v: torch.Tensor  # (Hkv, L, D)
+    local_attention: torch.Tensor  # (Hkv, L) float32, attention received while resident
+    recalled_ids: list[int] = field(default_factory=list)
+    recalled_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    buffer: deque[int] = field(default_factory=deque)  # similarity hits of earlier steps (contiguity)
+
+
+class Stream:
+    """The token stream's unsealed part and its segmentation; seals events into an `EventMemory`."""
+
+    def __init__(self, cfg: EngineConfig, summary_layers: Sequence[int]):
+        self.cfg = cfg
+        self.summary_layers = list(summary_layers)
+        self.sink_tokens = torch.empty(0, dtype=torch.int32)
+        self.tail_tokens = torch.empty(0, dtype=torch.int32)  # stream[local_start:], not yet sealed
+        self.local_start = 0  # global index of the first local-window token
+        self.local_surprise = torch.empty(0)  # (L,) surprise of the local tokens
+        self.boundaries: list[int] = []  # starts of events inside the local window, after local_start
+        self.segmenter = OnlineSegmenter(cfg.segmentation, cfg.surprise_window)
+
+    @property
+    def sink_len(self) -> int:
+        return int(self.sink_tokens.numel())
+
+    @property
+    def n_tokens(self) -> int:
+        return self.local_start + int(self.tail_tokens.numel())
+
+    def record(self, token_ids: torch.Tensor, surprise: torch.Tensor) -> None:
+        """Append the tokens of a forward pass (T,) with their surprise (T,); find the boundaries they open."""
+        to_sink = min(token_ids.shape[0], self.cfg.window.n_sink - self.sink_len)
+        self.sink_tokens = torch.cat([self.sink_tokens, token_ids[:to_sink].to(torch.int32)])
+        self.tail_tokens = torch.cat([self.tail_tokens, token_ids[to_sink:].to(torch.int32)])
+        # While the sinks fill, the local window starts right after them.
+        self.local_start = max(self.local_start, self.sink_len)
+        local_part = surprise[to_sink:]
+        self.local_surprise = torch.cat([self.local_surprise, local_part])
+        if local_part.numel():
+            if self.segmenter.position < self.sink_len:  # the first local token opens the first event
+                self.segmenter.position = self.segmenter.event_start = self.sink_len
+            self.boundaries.extend(b for b in self.segmenter.push(local_part) if b > self.local_start)
+
+    def seal(self, layers: Sequence[LayerState], memory: EventMemory) -> None:
+        """Seal whole events that start before the local window's left edge."""
+        cutoff = self.n_tokens - self.cfg.window.n_local
+        while self.local_start < cutoff and self.boundaries:
+            end = self._refined_end(layers, self.local_start)
+            self._seal_event(layers, memory, end)
+
+    def _refined_end(self, layers: Sequence[LayerState], start: int) -> int:
+        seg, ref = self.cfg.segmentation, self.cfg.refinement
+        end = self.boundaries.pop(0)
+        if not ref.enabled or seg.mode == "uniform":
+            return end
+        after = self.boundaries[0] if self.boundaries else self.n_tokens
+        graph = similarity_graph(self._graph_keys(layers, start, after))
+        # Never let the following event grow past max_event when the boundary moves left.
+        min_split = max(seg.min_event, (after - start) - seg.max_event)
+        return start + refine_boundary(graph, end - start, min_split, ref.metric)
+
+    def _graph_keys(self, layers: Sequence[LayerState], start: int, end: int) -> torch.Tensor:
+        n_up = max(1, round(len(layers) * self.cfg.refinement.layer_fraction))
+        lo, hi = start - self.local_start, end - self.local_start
+        per_layer = [st.local_k[:, lo:hi].permute(1, 0, 2).flatten(1) for st in layers[-n_up:]]  # (T, Hkv * D)
+        return torch.cat(per_layer, dim=1).float()  # (T, layers_up * Hkv * D)
+
+    def _seal_event(self, layers: Sequence[LayerState], memory: EventMemory, end: int) -> None:
+        start = self.local_start
+        n = end - start
+        keys = torch.stack([st.local_k[:, :n] for st in layers])  # (layers, Hkv, n, D)
+        values = torch.stack([st.local_v[:, :n] for st in layers])  # (layers, Hkv, n, D)
+        keys_per_head = self.cfg.representatives.keys_per_head
+        reps = torch.stack([representative(st.local_k[:, :n], st.local_attention[:, :n], keys_per_head)
+                            for st in layers])  # (layers, Hkv * D)
+        summary = key_summary(keys[self.summary_layers].cpu())  # (S * Hkv * D,)
+        surprise = self.local_surprise[:n]
+        event = Event(id=len(memory), start=start, end=end,
+                      surprise_mean=float(surprise.mean()), surprise_max=float(surprise.max()))
+        memory.add(event, keys, values, reps, summary, self.tail_tokens[:n])
+        self.tail_tokens = self.tail_tokens[n:]
+        for st in layers:
+            st.local_k, st.local_v = st.local_k[:, n:], st.local_v[:, n:]
+            st.local_attention = st.local_attention[:, n:]
+        self.local_surprise = self.local_surprise[n:]
+        self.local_start = end
+
+    # ------------------------------------------------------------------ persistence
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "n_tokens": self.n_tokens, "local_start": self.local_start, "local_surprise": self.local_surprise.clone(),
+            "boundaries": list(self.boundaries), "sink_tokens": self.sink_tokens.clone(),
+            "tail_tokens": self.tail_tokens.clone(), "segmenter": self.segmenter.snapshot(),
+        }
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        self.local_start, self.local_surprise = snapshot["local_start"], snapshot["local_surprise"]
+        self.sink_tokens, self.tail_tokens = snapshot["sink_tokens"], snapshot["tail_tokens"]
+        self.boundaries = list(snapshot["boundaries"])
+        self.segmenter.restore(snapshot["segmenter"])

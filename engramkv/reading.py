@@ -1,0 +1,125 @@
+"""Reading: a session's queue of tokens cut into chunks for the engine, and its commits.
+
+The session hands token ids to `Reader.feed`; whole chunks (`window.chunk_size`) are read by the
+engine at once, the rest waits for more or for `flush`. Every `store.commit_tokens` tokens, and when
+the session says so, the reader commits the stream to its memory: the engine's snapshot, the queue,
+the chat so far and the stream settings, which a reopened stream must match. A step or commit that
+fails half-way leaves the reader `broken`: the resident state is no longer whole, the last commit stands.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engramkv.config import EngineConfig
+from engramkv.documents import IngestRun
+from engramkv.engine.state import EpisodicState
+from engramkv.errors import ConfigError
+from engramkv.memory.events import DocumentProgress, EventMemory
+from engramkv.results import IngestProgress
+from engramkv.retrieval.question import RecallPlan
+
+ProgressCallback = Callable[[IngestProgress], None]
+
+
+class Reader:
+    """Feeds one stream's tokens to its engine chunk by chunk and commits the stream to its memory."""
+
+    def __init__(self, state: EpisodicState, memory: EventMemory, cfg: EngineConfig):
+        self.state, self.memory, self.cfg = state, memory, cfg
+        self.pending: list[int] = []  # tokens waiting to fill a chunk
+        self.chat_history: list[dict[str, str]] = []  # the conversation so far (chat templates need it)
+        self.broken: str | None = None  # why the resident state is no longer whole, once a step failed
+        self._uncommitted = 0  # tokens read since the last commit
+        snapshot = memory.load_checkpoint()
+        if snapshot is not None:
+            self._restore(snapshot)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the stream, the queued ones included."""
+        return self.state.n_tokens + len(self.pending)
+
+    def feed(self, token_ids: list[int], plan: RecallPlan | None = None, run: IngestRun | None = None,
+             progress: ProgressCallback | None = None) -> None:
+        """Queue token ids; whole chunks are read now (until `run` asks to stop), the rest waits."""
+        self.pending.extend(token_ids)
+        chunk = self.cfg.window.chunk_size
+        while len(self.pending) >= chunk and not (run is not None and run.stop_requested):
+            ids = self.pending[:chunk]
+            del self.pending[:chunk]
+            self._read(ids, plan, run, progress)
+            if self.memory.persistent and self._uncommitted >= self.cfg.store.commit_tokens:
+                if run is not None:
+                    run.document.token_end = self.tokens
+                self.commit(run.document if run is not None else None)
+
+    def flush(self, plan: RecallPlan | None = None, run: IngestRun | None = None,
+              progress: ProgressCallback | None = None) -> None:
+        """Read everything queued: whole chunks first (a restored stream can hold many), then the rest."""
+        self.feed([], plan, run, progress)
+        if self.pending and not (run is not None and run.stop_requested):
+            ids, self.pending = self.pending, []
+            self._read(ids, plan, run, progress)
+
+    def _read(self, ids: list[int], plan: RecallPlan | None, run: IngestRun | None,
+              progress: ProgressCallback | None) -> None:
+        self.guarded(lambda: self.state.step(torch.tensor(ids, dtype=torch.long), plan))
+        self._uncommitted += len(ids)
+        if progress is not None:
+            progress(self.progress(run))
+
+    def decode(self, token_id: int, plan: RecallPlan) -> torch.Tensor:  # (1, V)
+        """Read one generated token; returns the logits that predict the next."""
+        return self.guarded(lambda: self.state.decode(token_id, plan))
+
+    def guarded(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        try:
+            return step()
+        except BaseException as err:
+            # The layers may have appended part of this step: the resident state is no longer whole.
+            self.broken = type(err).__name__ + (f": {err}" if str(err) else "")
+            raise
+
+    def progress(self, run: IngestRun | None) -> IngestProgress:
+        if run is None:
+            return IngestProgress(tokens=self.state.n_tokens, events=len(self.memory))
+        return run.progress(self.state.n_tokens, len(self.memory), queued_tokens=len(self.pending))
+
+    # ------------------------------------------------------------------ persistence
+    def commit(self, document: DocumentProgress | None = None) -> None:
+        """Commit the stream (with `document`'s read position) where commits persist; a no-op in RAM."""
+        if not (self.memory.persistent and self.memory.writable):
+            return
+        try:
+            self.memory.commit(self._snapshot(), document)
+        except BaseException as err:
+            self.broken = f"a commit failed: {err}"
+            raise
+        self._uncommitted = 0
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {"engine": self.state.snapshot(), "pending": list(self.pending),
+                "chat_history": json.dumps(self.chat_history),
+                "stream_config": json.dumps(self.cfg.stream_settings())}
+
+    def _restore(self, snapshot: dict[str, Any]) -> None:
+        stored, mine = json.loads(snapshot["stream_config"]), self.cfg.stream_settings()
+        if stored != mine:
+            changed = [k for k in mine if stored.get(k) != mine[k]]
+            raise ConfigError(
+                f"this stream was written with other {', '.join(changed)} settings; open it with the same "
+                f"config (stored: {json.dumps({k: stored.get(k) for k in changed})})"
+            )
+        self.state.restore(snapshot["engine"])
+        self.pending = list(snapshot["pending"])
+        self.chat_history = json.loads(snapshot["chat_history"])
+
+    def copy_from(self, other: Reader) -> None:
+        """Continue `other`'s stream: its engine state, queue and chat (the event memory is the caller's)."""
+        self.state.restore(other.state.snapshot())
+        self.pending, self.chat_history = list(other.pending), json.loads(json.dumps(other.chat_history))
