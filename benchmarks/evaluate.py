@@ -149,6 +149,10 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
              f"{len(runs)} runs, {hours:.1f} hours of system time, from " + "; ".join(f"`{c}`" for c in commands)
              + ". Score: share of the expected answers in the reply, averaged over the samples of a cell "
              "(n in brackets); `-`: not run.", ""]
+    notes = getattr(args, "notes", {})
+    if "commit_of_file" in notes:  # a grid begun before runs recorded their commit
+        lines += [f"Runs without a `commit` in {args.name}.json ran before commits were recorded; the file was "
+                        f"added in commit {notes['commit_of_file'][:7]}.", ""]
     for task in tasks:
         lines += [f"## {task}", "", "| system | " + " | ".join(f"{n // 1024}k" for n in lengths) + " |",
                   "|---|" + "---|" * len(lengths)]
@@ -191,7 +195,7 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
                 if mine:
                     lines.append(f"| {system} | {n:,} | {_mean([r['score'] for r in mine]):.2f} | "
                                  f"{_mean([r['answers_in_recalled'] for r in mine]):.2f} |")
-    payload = {**getattr(args, "notes", {}), "model": model_id, "commands": commands, "runs": runs}
+    payload = {**notes, "model": model_id, "commands": commands, "runs": runs}
     configs = {system: system_config(system) for system in systems}
     write_results(args.out, args.name, payload, "\n".join(lines) + "\n", configs)
     if plot:
