@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engramkv import EngramError, IngestProgress
+from engramkv import EngramError, GenerationConfig, IngestProgress
 
 DEFAULT_STORE = "~/.engramkv/store"
 
@@ -229,15 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description="One chat turn over everything stored in the namespace. The store is opened "
                        "read-only: the question and answer are not kept.")
     p.add_argument("question")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"longest answer in tokens (default: the config's, {GenerationConfig().max_new_tokens})")
     p.add_argument("--show-recall", action="store_true", help="also print the events the answer attended to, best match first")
     p.add_argument("-k", type=int, default=3, help="events shown with --show-recall or --json (default 3)")
     _common(p)
     p.set_defaults(run=cmd_ask)
 
     p = sub.add_parser("recall", help="the stored events that best match a query",
-                       description="Score every stored event against QUERY (per layer, z-scored, averaged) "
-                       "and print the best K with their text.")
+                       description="Match QUERY against every stored event the way a question is matched "
+                       "(its tokens' keys against each event's key summary, then a token-level re-ranking) and "
+                       "print the best K with their text and score.")
     p.add_argument("query")
     p.add_argument("-k", type=int, default=5, help="number of events (default 5)")
     _common(p)

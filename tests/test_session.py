@@ -198,3 +198,44 @@ def test_a_blank_line_after_a_colon_does_not_end_a_qa_reply(monkeypatch):
 
     monkeypatch.setattr(session, "_generate", fake_generate)
     assert session.chat("which numbers?") == " The numbers are:\n\n1. 42\n2. 7"
+
+
+def test_a_closed_session_refuses_every_call():
+    from engramkv import SessionError
+
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    session.ingest(" ".join(map(str, _stream(100))))
+    session.close()
+    session.close()  # a second close is harmless
+    for call in (lambda: session.ingest("1 2"), lambda: session.chat("1 2"), lambda: session.recall("1 2"),
+                 lambda: session.generate_ids([1]), session.commit):
+        with pytest.raises(SessionError, match="closed"):
+            call()
+
+
+def test_a_fork_continues_the_stream_and_leaves_the_original_untouched():
+    from engramkv import ConfigError
+
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    session.ingest(" ".join(map(str, _stream(400))))
+    twin = session.fork()
+    assert twin.tokens_ingested == session.tokens_ingested and twin.events == session.events
+    assert twin.generate_ids([5, 6, 7], max_new_tokens=6) == session.generate_ids([5, 6, 7], max_new_tokens=6)
+    other = CFG.model_copy(update={"recall": CFG.recall.model_copy(update={"answer_hits": 1})})
+    variant = session.fork(other)
+    variant.generate_ids([1], max_new_tokens=4)
+    assert variant.tokens_ingested == session.tokens_ingested + 5  # the variant moved on, not the original
+    with pytest.raises(ConfigError, match="same"):
+        session.fork(CFG.model_copy(update={"window": CFG.window.model_copy(update={"n_local": 96})}))
+
+
+def test_ingest_reports_progress_records():
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    records = []
+    session.ingest(" ".join(map(str, _stream(200))), progress=records.append)
+    assert [r.tokens for r in records] == sorted(r.tokens for r in records) and records[-1].tokens == 200
+    assert records[-1].events == session.events
+    assert all(r.bytes_read is None and r.size_bytes is None for r in records)  # text given directly: no file

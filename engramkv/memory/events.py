@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
+from engramkv.errors import SessionError
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -193,7 +195,7 @@ class InMemoryEventMemory:
         key_summary: torch.Tensor, token_ids: torch.Tensor,
     ) -> None:
         if event.id != len(self.events):
-            raise ValueError(f"event ids must be consecutive: expected {len(self.events)}, got {event.id}")
+            raise SessionError(f"event ids must be consecutive: expected {len(self.events)}, got {event.id}")
         self._offsets.append(self._keys[0].size)
         for layer in range(self.num_layers):
             self._keys[layer].append(keys[layer].to(self.dtype))
