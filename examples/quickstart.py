@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engramkv import EpisodicLM
+from engramkv import EpisodicLM, IngestProgress
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from _common import passkey_sample  # noqa: E402
@@ -38,9 +38,9 @@ def main() -> None:
     session = lm.session()
     total = len(lm.tokenizer.encode(context, add_special_tokens=False))
     with tqdm(total=total, unit="tok", desc="ingest") as bar:
-        def progress(tokens: int, events: int) -> None:
-            bar.update(tokens - bar.n)
-            bar.set_postfix(events=events)
+        def progress(record: IngestProgress) -> None:
+            bar.update(record.tokens - bar.n)
+            bar.set_postfix(events=record.events)
 
         report = session.ingest(context, progress=progress)
     print(f"ingested {report.tokens} tokens into {session.events} events at {report.tokens_per_second:.0f} tokens/s")
