@@ -81,16 +81,8 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:  # (..., D * bits 
     return torch.stack([(packed >> (bits * j)) & mask for j in range(8 // bits)], dim=-1).flatten(-2)
 
 
-def encode_layer(codec: Codec, keys: torch.Tensor, values: torch.Tensor) -> bytes:
-    """keys, values: (Hkv, T, D) any float dtype -> bytes of length layer_nbytes(...)."""
-    if keys.dim() != 3 or keys.shape != values.shape:
-        raise ValueError(f"keys and values must share one (Hkv, T, D) shape, got {tuple(keys.shape)} "
-                         f"and {tuple(values.shape)}")
-    return encode_layers(codec, keys[None], values[None])[0]
-
-
 def encode_layers(codec: Codec, keys: torch.Tensor, values: torch.Tensor) -> list[bytes]:
-    """keys, values: (L, Hkv, T, D) -> one `encode_layer` result per layer, quantised in one batch.
+    """keys, values: (L, Hkv, T, D) any float dtype -> one layer's bytes (length `layer_nbytes`) per layer.
 
     Sealing an event encodes every layer at once: a few large tensor ops instead of dozens of tiny
     ones (which, on a busy CPU, cost more in thread hand-offs than in arithmetic).
@@ -135,7 +127,7 @@ def _read(buffer: memoryview, offset: int, dtype: str, shape: tuple[int, ...], a
 def decode_layer(
     codec: Codec, buffer: bytes | memoryview, n_kv_heads: int, n_tokens: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of encode_layer: (keys, values), each float16 (Hkv, T, D).
+    """Inverse of one layer of encode_layers: (keys, values), each float16 (Hkv, T, D).
 
     Accepts a memoryview slice of an mmap; the only copies are the ones dequantising makes.
     """

@@ -18,8 +18,9 @@ Indexes are saved beside the catalog with the number of events they hold; on ope
 the catalog is caught up from the representatives stored in the event blobs, and one that is ahead
 (saved, then the catalog commit was lost) is rebuilt.
 
-Beside them, one index over the events' key summaries (`retrieval.key_match`): what questions are
-matched against. It is derived from the stored keys, so a store without it gets it rebuilt on open.
+Beside them, one index over the events' key summaries (`memory.summary`): what questions are
+matched against (`retrieval.question`). It is derived from the stored keys, so a store without it
+gets it rebuilt on open.
 
 With a GPU build of FAISS (`IndexConfig.device`), searches run on a GPU copy of each index that every
 add also updates; the CPU indexes stay the ones that are saved, rebuilt and caught up.

@@ -231,20 +231,6 @@ class SegmentLog:
                 yield BlobRef(segment, offset, length, crc)
                 offset += length + _RECORD.size
 
-    def total_bytes(self) -> int:
-        """Bytes on disk across all segment files, headers included."""
-        return sum(self._path(n).stat().st_size for n in self._numbers())
-
-    def delete_all(self) -> None:
-        """Remove every segment file; the log stays usable and starts again at segment 1."""
-        self._check(write=True)
-        self._close_writer()
-        self._close_maps()  # unlinking a mapped file is safe on POSIX: views still held stay readable
-        for n in self._numbers():
-            self._path(n).unlink()
-        fsync_dir(self.directory)
-        self._dir_dirty = False
-
     def close(self) -> None:
         """Release files and maps. Does not fsync: call `sync` first for durability."""
         if not self._closed:

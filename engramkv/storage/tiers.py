@@ -26,19 +26,14 @@ class LRUBytes(Generic[Key, Value]):
         self.capacity = capacity_bytes
         self.size_of = size_of
         self.bytes = 0
-        self.hits = 0
-        self.misses = 0
         self._items: OrderedDict[Key, Value] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, key: Key) -> Value | None:
         with self._lock:
             value = self._items.get(key)
-            if value is None:
-                self.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.hits += 1
+            if value is not None:
+                self._items.move_to_end(key)
             return value
 
     def __contains__(self, key: Key) -> bool:
