@@ -31,7 +31,6 @@ from engramkv.retrieval.question import RecallPlan
 from engramkv.spec import ModelSpec
 
 
-
 class Backbone(Protocol):
     """What a session uses of the model it runs on (an `EpisodicLM`): the patched model, its RoPE, spec and
     tokenizer."""
@@ -218,7 +217,8 @@ class Session:
                                  turn.question_span):
             reply.append(piece)
             yield piece
-        self._reader.chat_history += [{"role": "user", "content": message}, {"role": "assistant", "content": "".join(reply)}]
+        self._reader.chat_history += [{"role": "user", "content": message},
+                                      {"role": "assistant", "content": "".join(reply)}]
         if self.memory.persistent:
             with self._exclusive("commit"):
                 self._reader.commit()

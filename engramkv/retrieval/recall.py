@@ -16,6 +16,7 @@ import torch
 from engramkv.config import RecallConfig
 from engramkv.memory.events import EventMemory
 
+
 def select_events(
     memory: EventMemory,
     layer: int,
