@@ -1,6 +1,6 @@
 """Kill an ingesting process at random points; check the store after each kill; resume; compare.
 
-    python tests/crash_harness.py --kills 100          # the full run (results under benchmarks/results/)
+    python tests/crash_harness.py --kills 100          # the full run (results under benchmarks/results/crash/)
     python tests/crash_harness.py --worker STORE TEXT  # one ingest (what the harness starts and kills)
 
 The worker ingests a text file into a store with a tiny random Llama (same seed, so every process
@@ -89,13 +89,12 @@ def check_store(store: Path) -> dict[str, int]:
     from conftest import tiny_pair
 
     from engramkv import EngineConfig
-    from engramkv.storage.segments import BlobRef
 
     _, lm = tiny_pair("llama", EngineConfig.model_validate(WORKER_CONFIG))
     event_store = lm.open_store(store)
     ns = event_store.namespace(summary_layers=[0])
     verified = ns.verify()
-    committed = [BlobRef(ns._segment[i], ns._offset[i], ns._length[i], ns._crc[i]) for i in range(len(ns))]
+    committed = [ns.blob_ref(i) for i in range(len(ns))]
     on_disk = [ref for seg in sorted({r.segment for r in committed}) for ref in ns.segments.scan(seg)]
     files = sorted(p.name for p in (ns.dir / "segments").glob("*.seg"))
     assert on_disk == committed, "segment files and catalog disagree"
@@ -115,7 +114,7 @@ def events_of(store: Path) -> list[tuple[int, int, int]]:
 
     _, lm = tiny_pair("llama", EngineConfig.model_validate(WORKER_CONFIG))
     ns = lm.open_store(store, read_only=True).namespace(summary_layers=[0])
-    events = [(ns._start[i], ns._end[i], ns._crc[i]) for i in range(len(ns))]
+    events = [(ns.event(i).start, ns.event(i).end, ns.blob_ref(i).checksum) for i in range(len(ns))]
     ns.close()
     lm.close()
     return events
@@ -169,7 +168,10 @@ def main() -> None:
     started = time.perf_counter()
     result = harness(workdir, args.kills, args.tokens)
     result["seconds"] = round(time.perf_counter() - started, 1)
-    out = HERE.parent / "benchmarks" / "results"
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
+    result.update(commit=commit or None, config=WORKER_CONFIG,
+                  command=f"python tests/crash_harness.py --kills {args.kills} --tokens {args.tokens}")
+    out = HERE.parent / "benchmarks" / "results" / "crash"
     (out / "crash.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "crash.md").write_text(
         f"# Crash safety (SIGKILL during ingest)\n\n{result['kills']} kill points at random times; after each the "
@@ -178,7 +180,7 @@ def main() -> None:
         f"{result['reference_events']} events exactly ({result['tokens']} tokens, tiny Llama). "
         f"{result['kills_that_came_too_late']} more kill points fell after the worker had finished (not counted). "
         f"Run time {result['seconds']} s.\n\nCommand: `python tests/crash_harness.py --kills {result['kills']} "
-        f"--tokens {result['tokens']}`\n"
+        f"--tokens {result['tokens']}` at commit {result['commit']}\n"
     )
     print(json.dumps(result))
 

@@ -1,7 +1,7 @@
 """Crash safety: SIGKILL an ingesting process at random points, check the store, resume, compare.
 
 A few kill points here (each costs a process start); `python tests/crash_harness.py --kills 100`
-is the full run whose figures are in benchmarks/results/crash.md.
+is the full run whose figures are in benchmarks/results/crash/crash.md.
 """
 
 import os
