@@ -326,14 +326,14 @@ def test_read_ahead_asks_for_the_cold_blobs_only_and_changes_nothing(tmp_path, m
             def spy(refs, real=real, memory=memory):
                 refs = list(refs)
                 # every asked-for blob is on disk and in no cache
-                cached = {(memory._segment[i], memory._offset[i]) for i in memory.warm._items}
+                cached = {(memory.blob_ref(i).segment, memory.blob_ref(i).offset)
+                          for i in range(len(memory)) if i in memory.warm}
                 assert refs and not {(r.segment, r.offset) for r in refs} & cached
                 asked.append(len(refs))
                 real(refs)
 
             monkeypatch.setattr(memory.segments, "will_need", spy)
-            memory.warm.clear()
-            memory.hot.clear()
+            memory.drop_caches()
             answers.append(s.generate_ids([1, 2, 3], max_new_tokens=10))
         lm.close()
         assert bool(asked) == read_ahead
@@ -343,7 +343,7 @@ def test_read_ahead_asks_for_the_cold_blobs_only_and_changes_nothing(tmp_path, m
 def test_each_commit_hands_free_heap_back_unless_turned_off(tmp_path, monkeypatch):
     for release in (True, False):
         calls = []
-        monkeypatch.setattr("engramkv.storage.store.release_free_heap", lambda calls=calls: calls.append(1))
+        monkeypatch.setattr("engramkv.storage.namespace.release_free_heap", lambda calls=calls: calls.append(1))
         cfg = CFG.model_copy(update={"store": CFG.store.model_copy(update={"release_free_memory": release})})
         _, lm = tiny_pair("llama", cfg)
         with lm.session(store=tmp_path / str(release)) as s:

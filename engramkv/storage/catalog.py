@@ -1,6 +1,8 @@
-"""The catalog: what a store holds, in SQL (SQLite by default, PostgreSQL by URL), via SQLAlchemy 2.0.
+"""The catalog: the schema of what a store holds, and every query on it (the only SQLAlchemy user).
 
-    store_info   one row: format version, the fingerprint of the model that wrote the store, the codec
+SQLite by default, PostgreSQL (or any SQLAlchemy URL) by `StoreConfig.catalog_url`.
+
+    store_info   one row: format version, the spec of the model that wrote the store, the codec
     namespaces   one stream each, named by (user_id, agent_id, session_id); its committed stream
                  position and the checkpoint file that restores its resident state
     documents    what was ingested into a namespace: name, size, how far ingestion got (for resume)
@@ -9,12 +11,17 @@
 
 The catalog is the truth after a crash: a blob is on disk (fsynced) before the row that points at
 it is committed, and anything on disk that no committed row points at is garbage to be removed.
+
+The functions below take the engine and run one short session (one transaction where they write).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -26,12 +33,23 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    column,
     create_engine,
+    delete,
     event,
+    func,
+    insert,
+    inspect,
     select,
+    table,
+    text,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from engramkv.errors import StoreCorruptError
+from engramkv.memory.events import DocumentProgress, Event
+from engramkv.storage.segments import BlobRef
 
 FORMAT_VERSION = 1
 
@@ -49,12 +67,9 @@ class StoreInfo(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     format_version: Mapped[int] = mapped_column(Integer)
     store_uuid: Mapped[str] = mapped_column(String(36))  # also in STORE/STORE_ID: pairs catalog and directory
-    fingerprint: Mapped[str] = mapped_column(Text)  # JSON of hf.ModelSpec.fingerprint()
+    fingerprint: Mapped[str] = mapped_column(Text)  # JSON of the writing model's ModelSpec.model_dump()
     codec: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-
-    def fingerprint_dict(self) -> dict[str, Any]:
-        return dict(json.loads(self.fingerprint))
 
 
 class NamespaceRow(Base):
@@ -98,8 +113,7 @@ class EventRow(Base):
     token_end: Mapped[int] = mapped_column(BigInteger)
     surprise_mean: Mapped[float] = mapped_column(Float)
     surprise_max: Mapped[float] = mapped_column(Float)
-    tier: Mapped[str] = mapped_column(String(8), default="disk")
-    codec: Mapped[str] = mapped_column(String(16))
+    codec: Mapped[str] = mapped_column(String(16))  # the store's codec when the blob was written
     segment: Mapped[int] = mapped_column(Integer)
     offset: Mapped[int] = mapped_column(BigInteger)
     length: Mapped[int] = mapped_column(BigInteger)
@@ -107,8 +121,47 @@ class EventRow(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-def open_catalog(url: str) -> Engine:
-    """Create the tables if needed. SQLite gets WAL mode and foreign keys (off by default there)."""
+# ---------------------------------------------------------------------- what the queries return
+@dataclass(frozen=True)
+class StoreRecord:
+    format_version: int
+    store_uuid: str
+    fingerprint: dict[str, Any]  # ModelSpec.model_dump() of the model that wrote the store, through JSON
+    codec: str
+
+
+@dataclass(frozen=True)
+class NamespaceState:
+    id: int
+    names: tuple[str, str, str]  # (user_id, agent_id, session_id)
+    n_tokens: int
+    n_events: int
+    checkpoint: str | None
+    checkpoint_crc: int | None
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    """One event row: the event and where its blob lives."""
+
+    event: Event
+    ref: BlobRef
+
+
+# ---------------------------------------------------------------------- opening and migrating
+# Catalogs whose events table still has the NOT NULL `tier` column that stores before the storage split
+# wrote (always "disk", read by nothing). A writer drops it; where it cannot (SQLite before 3.35),
+# inserts fill it in.
+_KEEPS_TIER: weakref.WeakSet[Engine] = weakref.WeakSet()
+_EVENTS_WITH_TIER = table("events", *(column(c.name) for c in EventRow.__table__.columns), column("tier"))
+
+
+def open_catalog(url: str, writable: bool = True) -> Engine:
+    """Create the tables if needed and, for a writer, migrate an older schema.
+
+    SQLite gets WAL mode and foreign keys (off by default there). A reader changes no schema: no
+    query reads a retired column.
+    """
     engine = create_engine(url)
     if engine.dialect.name == "sqlite":
 
@@ -121,8 +174,162 @@ def open_catalog(url: str) -> Engine:
             cursor.close()
 
     Base.metadata.create_all(engine)
+    if writable and "tier" in {c["name"] for c in inspect(engine).get_columns("events")}:
+        if _drops_columns(engine):
+            with engine.begin() as conn:
+                conn.execute(text("ALTER TABLE events DROP COLUMN tier"))
+        else:
+            _KEEPS_TIER.add(engine)
     return engine
 
 
-def store_info(session: Session) -> StoreInfo | None:
-    return session.scalars(select(StoreInfo)).first()
+def _drops_columns(engine: Engine) -> bool:
+    """Whether the database has ALTER TABLE ... DROP COLUMN (SQLite from 3.35; PostgreSQL always)."""
+    version = engine.dialect.server_version_info  # known once create_all has connected
+    return engine.dialect.name != "sqlite" or (version is not None and tuple(version) >= (3, 35))
+
+
+def describe(db: Engine) -> str:
+    """The catalog's URL without its password, for messages."""
+    return db.url.render_as_string(hide_password=True)
+
+
+# ---------------------------------------------------------------------- the store
+def store_info(db: Engine) -> StoreRecord | None:
+    with Session(db) as session:
+        row = session.scalars(select(StoreInfo)).first()
+        if row is None:
+            return None
+        return StoreRecord(row.format_version, row.store_uuid, dict(json.loads(row.fingerprint)), row.codec)
+
+
+def create_store_info(db: Engine, store_uuid: str, fingerprint: dict[str, Any], codec: str) -> None:
+    with Session(db) as session, session.begin():
+        session.add(StoreInfo(id=1, format_version=FORMAT_VERSION, store_uuid=store_uuid,
+                              fingerprint=json.dumps(fingerprint, sort_keys=True, default=str), codec=codec))
+
+
+# ---------------------------------------------------------------------- namespaces
+def get_or_create_namespace(db: Engine, names: tuple[str, str, str], create: bool) -> int | None:
+    """The id of the namespace `names`, created when missing if `create`; None when missing otherwise."""
+    with Session(db) as session, session.begin():
+        user_id, agent_id, session_id = names
+        row = session.scalars(select(NamespaceRow).filter_by(
+            user_id=user_id, agent_id=agent_id, session_id=session_id)).first()
+        if row is None:
+            if not create:
+                return None
+            row = NamespaceRow(user_id=user_id, agent_id=agent_id, session_id=session_id, n_tokens=0, n_events=0)
+            session.add(row)
+            session.flush()
+        return row.id
+
+
+def namespace_state(db: Engine, ns_id: int) -> NamespaceState | None:
+    with Session(db) as session:
+        row = session.get(NamespaceRow, ns_id)
+        return None if row is None else _state(row)
+
+
+def list_namespaces(db: Engine) -> list[tuple[NamespaceState, int]]:
+    """Every namespace in id order, with its number of documents."""
+    with Session(db) as session:
+        rows = session.scalars(select(NamespaceRow).order_by(NamespaceRow.id)).all()
+        docs = dict(session.execute(select(DocumentRow.namespace_id, func.count())
+                                    .group_by(DocumentRow.namespace_id)).all())
+        return [(_state(row), int(docs.get(row.id, 0))) for row in rows]
+
+
+def delete_namespace_rows(db: Engine, ns_id: int) -> None:
+    """The namespace's rows and its events' and documents' rows, in one transaction."""
+    with Session(db) as session, session.begin():
+        session.execute(delete(EventRow).where(EventRow.namespace_id == ns_id))
+        session.execute(delete(DocumentRow).where(DocumentRow.namespace_id == ns_id))
+        session.execute(delete(NamespaceRow).where(NamespaceRow.id == ns_id))
+
+
+def _state(row: NamespaceRow) -> NamespaceState:
+    return NamespaceState(row.id, (row.user_id, row.agent_id, row.session_id), row.n_tokens, row.n_events,
+                          row.checkpoint, row.checkpoint_crc)
+
+
+# ---------------------------------------------------------------------- events and commits
+def load_events(db: Engine, ns_id: int) -> list[StoredEvent]:
+    """The namespace's committed events in ordinal order."""
+    with Session(db) as session:
+        rows = session.execute(
+            select(EventRow.ordinal, EventRow.token_start, EventRow.token_end, EventRow.surprise_mean,
+                   EventRow.surprise_max, EventRow.segment, EventRow.offset, EventRow.length, EventRow.checksum)
+            .where(EventRow.namespace_id == ns_id).order_by(EventRow.ordinal)
+        ).all()
+    return [StoredEvent(Event(r.ordinal, r.token_start, r.token_end, r.surprise_mean, r.surprise_max),
+                        BlobRef(r.segment, r.offset, r.length, r.checksum)) for r in rows]
+
+
+def commit_namespace(
+    db: Engine, ns_id: int, events: Sequence[StoredEvent], codec: str, document: DocumentProgress | None,
+    n_tokens: int, n_events: int, checkpoint: str, checkpoint_crc: int,
+) -> int | None:
+    """One transaction: insert `events`, save `document`'s progress, point the namespace at `checkpoint`
+    (with its stream position and event count). Returns the document's row id (None without one)."""
+    with Session(db) as session, session.begin():
+        document_id = _save_document(session, ns_id, document) if document is not None else None
+        rows = [{"namespace_id": ns_id, "ordinal": e.event.id, "document_id": document_id,
+                 "token_start": e.event.start, "token_end": e.event.end, "surprise_mean": e.event.surprise_mean,
+                 "surprise_max": e.event.surprise_max, "codec": codec, "segment": e.ref.segment,
+                 "offset": e.ref.offset, "length": e.ref.length, "checksum": e.ref.checksum} for e in events]
+        if rows and db in _KEEPS_TIER:
+            now = utcnow()  # a Core insert into a plain table clause applies no Python-side defaults
+            session.execute(insert(_EVENTS_WITH_TIER), [{**row, "tier": "disk", "created_at": now} for row in rows])
+        elif rows:
+            session.execute(insert(EventRow), rows)
+        ns = session.get(NamespaceRow, ns_id)
+        if ns is None:
+            raise StoreCorruptError(f"namespace {ns_id} vanished from the catalog {describe(db)}")
+        ns.n_tokens, ns.n_events = n_tokens, n_events
+        ns.checkpoint, ns.checkpoint_crc, ns.updated_at = checkpoint, checkpoint_crc, utcnow()
+    return document_id
+
+
+def _save_document(session: Session, ns_id: int, doc: DocumentProgress) -> int:
+    row = session.get(DocumentRow, doc.id) if doc.id is not None else None
+    if row is None:
+        row = DocumentRow(namespace_id=ns_id, name=doc.name, size_bytes=doc.size_bytes,
+                          content_key=doc.content_key, token_start=doc.token_start, token_end=doc.token_start)
+        session.add(row)
+    row.bytes_done, row.token_end, row.complete, row.updated_at = (
+        doc.bytes_done, doc.token_end, doc.complete, utcnow())
+    session.flush()
+    return row.id
+
+
+# ---------------------------------------------------------------------- documents
+def last_document(db: Engine, ns_id: int) -> DocumentProgress | None:
+    with Session(db) as session:
+        row = session.scalars(select(DocumentRow).where(DocumentRow.namespace_id == ns_id)
+                              .order_by(DocumentRow.id.desc())).first()
+        return None if row is None else _progress(row)
+
+
+def documents(db: Engine, ns_id: int) -> list[DocumentProgress]:
+    with Session(db) as session:
+        rows = session.scalars(select(DocumentRow).where(DocumentRow.namespace_id == ns_id)
+                               .order_by(DocumentRow.id)).all()
+        return [_progress(row) for row in rows]
+
+
+def event_details(db: Engine, ns_id: int, ordinals: Sequence[int]) -> dict[int, tuple[str | None, dt.datetime]]:
+    """(document name, time committed) of the committed events among `ordinals`."""
+    with Session(db) as session:
+        rows = session.execute(
+            select(EventRow.ordinal, DocumentRow.name, EventRow.created_at)
+            .outerjoin(DocumentRow, EventRow.document_id == DocumentRow.id)
+            .where(EventRow.namespace_id == ns_id, EventRow.ordinal.in_(list(ordinals)))
+        ).all()
+    return {ordinal: (name, created) for ordinal, name, created in rows}
+
+
+def _progress(row: DocumentRow) -> DocumentProgress:
+    return DocumentProgress(name=row.name, size_bytes=row.size_bytes, content_key=row.content_key,
+                            token_start=row.token_start, bytes_done=row.bytes_done, token_end=row.token_end,
+                            complete=row.complete, id=row.id)

@@ -1,0 +1,391 @@
+"""One namespace of a store: its events' columns and tiers, commits and recovery, as an `EventMemory`.
+
+    STORE/ns/000001/
+      segments/*.seg            the cold tier: one blob per event (`blob.py` draws its layout)
+      index/layer-NNN.faiss, summary.faiss, manifest.json
+      checkpoint-NNNNNNNN-TTTTTTTTTTTT.pt   the resident engine state at the last commit
+
+A read goes hot (decoded KV of (event, layer) on the compute device), then warm (whole blobs in
+host RAM), then cold (`segments.py`, checksummed on the way in); see `tiers.py`.
+
+Write order, for crash safety: blobs are appended as events are added; a commit fsyncs the
+segments, writes the checkpoint (tmp, fsync, rename), then one catalog transaction inserts the new
+event rows and points the namespace at the checkpoint. On open a writer trims whatever no
+committed row points at, so a resumed ingest continues from exactly the committed state. A
+namespace opened read-only keeps the events added to it in RAM and refuses commits.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import zlib
+from array import array
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+import torch
+
+from engramkv.errors import ReadOnlyError, StoreCorruptError, StoreError, StoreFullError
+from engramkv.memory.events import DocumentProgress, Event, TierBytes
+from engramkv.memory.summary import key_summary
+from engramkv.storage import catalog as cat
+from engramkv.storage.blob import BlobLayout
+from engramkv.storage.codec import Codec
+from engramkv.storage.durable import replace_durably
+from engramkv.storage.heap import release_free_heap
+from engramkv.storage.index import LayerIndexes
+from engramkv.storage.segments import BlobRef, SegmentError, SegmentLog
+from engramkv.storage.tiers import LRUBytes
+
+if TYPE_CHECKING:
+    from engramkv.storage.store import EventStore
+
+
+class _Columns:
+    """Per-event columns in compact arrays: 10M tokens are ~200k events, too many for objects."""
+
+    def __init__(self) -> None:
+        self.start, self.end = array("q"), array("q")
+        self.segment, self.offset, self.length, self.crc = array("q"), array("q"), array("q"), array("q")
+        self.surprise = array("d")  # mean, max interleaved
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def append(self, event: Event, ref: BlobRef) -> None:
+        self.start.append(event.start)
+        self.end.append(event.end)
+        self.segment.append(ref.segment)
+        self.offset.append(ref.offset)
+        self.length.append(ref.length)
+        self.crc.append(ref.checksum)
+        self.surprise.extend((event.surprise_mean, event.surprise_max))
+
+    def event(self, i: int) -> Event:
+        return Event(id=i, start=self.start[i], end=self.end[i],
+                     surprise_mean=self.surprise[2 * i], surprise_max=self.surprise[2 * i + 1])
+
+    def ref(self, i: int) -> BlobRef:
+        return BlobRef(self.segment[i], self.offset[i], self.length[i], self.crc[i])
+
+    def n_tokens(self, i: int) -> int:
+        return self.end[i] - self.start[i]
+
+    def segment_ends(self) -> dict[int, int]:
+        """Where each segment's last blob ends: what recovery keeps."""
+        ends: dict[int, int] = {}
+        for segment, offset, length in zip(self.segment, self.offset, self.length):
+            ends[segment] = max(ends.get(segment, 0), offset + length)
+        return ends
+
+
+class NamespaceMemory:
+    """One namespace's events: an `EventMemory` whose events live on disk, with hot and warm tiers."""
+
+    persistent = True
+
+    def __init__(
+        self, store: EventStore, ns_id: int, device: torch.device, dtype: torch.dtype, summary_layers: list[int]
+    ):
+        spec, cfg = store.spec, store.cfg
+        self.store, self.ns_id, self.cfg = store, ns_id, cfg
+        self.codec: Codec = store.codec  # type: ignore[assignment]  # validated when the store was created
+        self.device, self.dtype = device, dtype
+        self.layout = BlobLayout(self.codec, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.dir = store.namespace_dir(ns_id)
+        self.writable = not store.read_only
+        self.broken: str | None = None  # set when a write failed half-way: reopen to recover
+        self._closed = False
+        self._document: DocumentProgress | None = None  # of the last commit: events sealed since belong to it
+        if self.writable:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        state = cat.namespace_state(store.db, ns_id)
+        if state is None:
+            raise StoreCorruptError(f"namespace {ns_id} is not in the catalog {cat.describe(store.db)}")
+        self.location, self.namespace = str(store.path), "/".join(state.names)  # what `EventMemory` reports
+        self.committed_tokens, self.checkpoint_name, self.checkpoint_crc = (
+            state.n_tokens, state.checkpoint, state.checkpoint_crc)
+        self._columns = _Columns()
+        for expected, stored in enumerate(cat.load_events(store.db, ns_id)):
+            if stored.event.id != expected:
+                raise StoreCorruptError(f"namespace {self.namespace}: event {expected} missing from the catalog")
+            self._columns.append(stored.event, stored.ref)
+        self.committed_events = len(self._columns)
+        self._overlay: dict[int, bytes] = {}  # read-only namespaces keep new events here, never on disk
+        try:
+            self.segments = SegmentLog(self.dir / "segments", cfg.segment_bytes, writable=self.writable)
+            if self.writable:
+                self._recover()
+        except SegmentError as err:
+            raise StoreCorruptError(f"namespace {self.namespace}: {err}") from err
+        self.hot: LRUBytes[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = LRUBytes(
+            cfg.hot_bytes, lambda kv: kv[0].nbytes + kv[1].nbytes)
+        self.warm: LRUBytes[int, bytes] = LRUBytes(cfg.warm_bytes, len)
+        self.summary_layers = summary_layers
+        self.indexes = LayerIndexes.load(self.dir / "index", spec.num_layers, self.layout.dim, cfg.index,
+                                         summary_layers, self.committed_events, self.representatives,
+                                         self._key_summary)
+        self._index_saved_at = self.indexes.saved_events  # what was caught up or rebuilt gets saved at a commit
+        prefetch = cfg.prefetch == "on" or (cfg.prefetch == "auto" and device.type == "cuda")
+        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="engramkv-prefetch") if prefetch else None
+        self._prefetching: Future[None] | None = None
+        self.read_ahead = cfg.read_ahead
+
+    def _recover(self) -> None:
+        """Cut what the last committed transaction does not point at: blob tails, newer checkpoints."""
+        self.segments.truncate_to(self._columns.segment_ends())
+        for path in self.dir.glob("checkpoint-*"):
+            if path.name != self.checkpoint_name:
+                path.unlink()
+
+    # ------------------------------------------------------------------ EventMemory
+    def __len__(self) -> int:
+        return len(self._columns)
+
+    def event(self, event_id: int) -> Event:
+        return self._columns.event(event_id)
+
+    def blob_ref(self, event_id: int) -> BlobRef:
+        """Where the event's blob lives in the cold tier (segment -1 for one added to a read-only namespace)."""
+        return self._columns.ref(event_id)
+
+    def add(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
+            key_summary: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self._check_usable()
+        if event.id != len(self):
+            raise StoreError(f"event ids must be consecutive: expected {len(self)}, got {event.id}")
+        reps = representatives.detach().float().cpu().numpy()  # (layers, F)
+        summary = key_summary.detach().float().cpu().numpy()  # (S,)
+        try:
+            blob = self.layout.encode(token_ids, reps, keys, values)
+        except ValueError as err:
+            raise StoreError(f"event {event.id} of {self.namespace} cannot be stored: {err}") from err
+        if self.writable:
+            try:
+                ref = self.segments.append(blob)
+            except OSError as err:
+                self._fail(err)
+        else:
+            ref = BlobRef(-1, -1, len(blob), zlib.crc32(blob))
+            self._overlay[event.id] = blob
+        self._columns.append(event, ref)
+        self.indexes.add(event.id, reps, summary)
+        self.warm.put(event.id, blob)  # what was just sealed is what recall is likeliest to want next
+
+    def tokens(self, event_id: int) -> list[int]:
+        return self.layout.tokens(self._blob(event_id), self._columns.n_tokens(event_id))
+
+    def representatives(self, event_id: int) -> np.ndarray:  # (layers, F) float32
+        """The event's per-layer representatives, as its layer indexes hold them (before any centring)."""
+        return self.layout.representatives(self._blob(event_id), self._columns.n_tokens(event_id))
+
+    def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        return self.indexes.search(layer, query, k)
+
+    def search_keys(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        return self.indexes.search_summary(summary, k)
+
+    def gather(self, layer: int, event_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Hkv, M, D) keys and values of `event_ids`, on the compute device in the model's dtype."""
+        self._await_prefetch()  # the worker fills the same caches; let it finish first
+        if self.read_ahead:
+            self._read_ahead(layer, event_ids)
+        blocks = [self._layer_kv(event_id, layer) for event_id in event_ids]
+        if self._prefetcher is not None and layer + 1 < self.layout.num_layers and event_ids:
+            # The next layer usually recalls mostly the same events: decode them while this layer attends.
+            self._prefetching = self._prefetcher.submit(self._warm_up, layer + 1, list(event_ids))
+        if not blocks:
+            empty = torch.empty(self.layout.kv_heads, 0, self.layout.head_dim, dtype=self.dtype, device=self.device)
+            return empty, empty
+        return torch.cat([k for k, _ in blocks], dim=1), torch.cat([v for _, v in blocks], dim=1)  # (Hkv, M, D)
+
+    def drop_caches(self) -> None:
+        """Empty the hot and warm tiers: the next reads come from the cold tier (events of a read-only
+        namespace that never reached the disk stay readable)."""
+        self._await_prefetch()
+        self.hot.clear()
+        self.warm.clear()
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of event blobs (encoded KV, tokens, representatives) in this namespace."""
+        return int(sum(self._columns.length))
+
+    def tier_bytes(self) -> TierBytes:
+        return TierBytes(hot=self.hot.bytes, warm=self.warm.bytes, disk=dir_bytes(self.dir))
+
+    # ------------------------------------------------------------------ reading through the tiers
+    def _await_prefetch(self) -> None:
+        if self._prefetching is not None:
+            self._prefetching.result()
+            self._prefetching = None
+
+    def _read_ahead(self, layer: int, event_ids: list[int]) -> None:
+        cold = [self.blob_ref(i) for i in event_ids
+                if (i, layer) not in self.hot and i not in self.warm and i not in self._overlay]
+        if len(cold) > 1:  # one blob gains nothing from being asked for twice
+            try:
+                self.segments.will_need(cold)
+            except SegmentError as err:
+                raise StoreCorruptError(f"namespace {self.namespace}: {err}") from err
+
+    def _warm_up(self, layer: int, event_ids: list[int]) -> None:
+        for event_id in event_ids:
+            self._layer_kv(event_id, layer)
+
+    def _layer_kv(self, event_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # (Hkv, n, D) each
+        cached = self.hot.get((event_id, layer))
+        if cached is not None:
+            return cached
+        k, v = self._decode(event_id, layer)
+        kv = (k.to(self.device, self.dtype, non_blocking=True), v.to(self.device, self.dtype, non_blocking=True))
+        self.hot.put((event_id, layer), kv)
+        return kv
+
+    def _decode(self, event_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # (Hkv, n, D) float16 each
+        return self.layout.layer_kv(self._blob(event_id), self._columns.n_tokens(event_id), layer)
+
+    def _blob(self, event_id: int) -> bytes:
+        """The event's whole blob: warm tier, else read (and checksum) from the cold tier."""
+        blob = self.warm.get(event_id)
+        if blob is not None:
+            return blob
+        if event_id in self._overlay:
+            return self._overlay[event_id]
+        if self._closed:
+            raise StoreError(f"namespace {self.namespace} is closed")
+        ref = self.blob_ref(event_id)
+        try:
+            blob = self.segments.read_copy(ref)  # a copy: the warm tier must not pin the map (recovery truncates)
+        except SegmentError as err:
+            raise StoreCorruptError(f"event {event_id} of {self.namespace}: {err}") from err
+        if zlib.crc32(blob) != ref.checksum:
+            raise StoreCorruptError(f"event {event_id} of {self.namespace}: checksum mismatch on disk")
+        self.warm.put(event_id, blob)
+        return blob
+
+    def _key_summary(self, event_id: int) -> np.ndarray:  # (S,) from the stored keys
+        keys = torch.stack([self._decode(event_id, layer)[0] for layer in self.summary_layers])  # (S, Hkv, n, D)
+        return key_summary(keys).numpy()
+
+    # ------------------------------------------------------------------ commits and checkpoints
+    def commit(self, snapshot: dict[str, Any], document: DocumentProgress | None = None) -> None:
+        """Make everything added so far durable, with the stream state `snapshot` that follows it and
+        `document`'s read position (the document being ingested, if any)."""
+        self._check_usable()
+        if not self.writable:
+            raise ReadOnlyError(f"namespace {self.namespace} is open read-only")
+        n_tokens = int(snapshot["engine"]["n_tokens"])
+        name = f"checkpoint-{len(self):08d}-{n_tokens:012d}.pt"
+        new = [cat.StoredEvent(self.event(i), self.blob_ref(i)) for i in range(self.committed_events, len(self))]
+        try:
+            self.segments.sync()
+            buffer = io.BytesIO()
+            torch.save(snapshot, buffer)
+            replace_durably(self.dir / name, buffer.getvalue())
+            crc = zlib.crc32(buffer.getvalue())
+            document_id = cat.commit_namespace(self.store.db, self.ns_id, new, self.codec, document, n_tokens,
+                                               len(self), name, crc)
+        except OSError as err:
+            self._fail(err)
+        if document is not None:
+            document.id = document_id
+        self._document = document
+        old = self.checkpoint_name
+        self.checkpoint_name, self.checkpoint_crc = name, crc
+        self.committed_events, self.committed_tokens = len(self), n_tokens
+        if old and old != name:
+            (self.dir / old).unlink(missing_ok=True)
+        if len(self) - self._index_saved_at >= self.cfg.index_save_events:
+            self.save_index()
+        if self.cfg.release_free_memory:
+            release_free_heap()
+
+    def save_index(self) -> None:
+        if self.writable and self.committed_events == len(self):
+            self.indexes.save(self.dir / "index")
+            self._index_saved_at = len(self)
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        """The stream state of the last commit, or None for a namespace never committed."""
+        if self.checkpoint_name is None:
+            return None
+        return _read_checkpoint(self.dir / self.checkpoint_name, self.checkpoint_crc)
+
+    def last_document(self) -> DocumentProgress | None:
+        """The namespace's most recent document (the only one an interrupted ingest can resume)."""
+        return cat.last_document(self.store.db, self.ns_id)
+
+    def documents(self) -> list[DocumentProgress]:
+        return cat.documents(self.store.db, self.ns_id)
+
+    def event_details(self, event_ids: Sequence[int]) -> dict[int, tuple[str | None, Any]]:
+        """(document name, time committed) of committed events; uncommitted ones get the current document."""
+        details: dict[int, tuple[str | None, Any]] = dict(cat.event_details(self.store.db, self.ns_id, event_ids))
+        current = self._document.name if self._document is not None else None
+        for event_id in event_ids:
+            details.setdefault(event_id, (current, None))
+        return details
+
+    def _fail(self, err: OSError) -> NoReturn:
+        self.broken = str(err)
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreFullError(
+                f"the disk under {self.dir} is full; the store keeps everything up to its last commit "
+                f"({self.committed_tokens} tokens). Free space and run the same ingest again to resume."
+            ) from err
+        raise StoreError(f"writing to {self.dir} failed: {err}; the store keeps its last commit") from err
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise StoreError(f"namespace {self.namespace} is closed")
+        if self.broken is not None:
+            raise StoreError(f"a write to this namespace failed ({self.broken}); reopen the store to recover")
+
+    # ------------------------------------------------------------------ verification and lifecycle
+    def verify(self) -> int:
+        """Check every committed blob's checksum against the catalog; returns the number checked."""
+        for event_id in range(self.committed_events):
+            try:
+                ok = self.segments.verify(self.blob_ref(event_id))
+            except SegmentError as err:
+                raise StoreCorruptError(f"event {event_id}: {err}") from err
+            if not ok:
+                raise StoreCorruptError(f"event {event_id}: checksum mismatch")
+        return self.committed_events
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
+            self._prefetcher = None
+        if self.writable and self.broken is None and self.committed_events == len(self):
+            self.save_index()
+        self.segments.close()
+        self.hot.clear()
+        self.warm.clear()
+        self._closed = True
+        self.store._release(self.ns_id)
+
+
+def _read_checkpoint(path: Path, crc: int | None) -> dict[str, Any]:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise StoreCorruptError(f"checkpoint {path} named by the catalog is missing") from None
+    if zlib.crc32(data) != crc:
+        raise StoreCorruptError(f"checkpoint {path} fails its checksum")
+    snapshot: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+    return snapshot
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 when it does not exist)."""
+    if not path.exists():
+        return 0
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
