@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engramkv.storage.codec import CODECS, decode_layer, encode_layers, layer_nbytes
+from engramkv.storage.codec import CODECS, Codec, decode_layer, encode_layers, layer_nbytes
 
 SHAPES = [(1, 1, 4), (2, 1, 64), (3, 7, 64), (3, 64, 64), (2, 33, 8), (4, 255, 16)]
 QMAX = {"int8": 255, "int4": 15, "int2": 3}
 
 
-def encode_layer(codec: str, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+def encode_layer(codec: Codec, keys: torch.Tensor, values: torch.Tensor) -> bytes:
     """One layer, (Hkv, T, D) each, through the batched encoder."""
-    return encode_layers(codec, keys[None], values[None])[0]  # type: ignore[arg-type]
+    return encode_layers(codec, keys[None], values[None])[0]
 
 
 def kv(h: int, t: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,121 @@
+"""NamespaceMemory without a model: the EventMemory protocol with persistence, tiers, commits, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engramkv.errors import ReadOnlyError, StoreError
+from engramkv.memory.events import DocumentProgress, Event, EventMemory, TierBytes
+from engramkv.storage.segments import BlobRef
+
+from tiny_store import SPEC, add_events, open_namespace, open_store, snapshot
+
+
+def test_it_reports_what_the_protocol_asks(tmp_path, catalog_url):
+    with open_store(tmp_path / "s", catalog_url) as store:
+        memory: EventMemory = store.namespace("alice", "helper", "s1", summary_layers=[1])
+        assert memory.persistent and memory.writable
+        assert memory.location == str((tmp_path / "s").resolve())
+        assert memory.namespace == "alice/helper/s1"
+        assert memory.codec == "fp16" and memory.committed_tokens == 0
+        assert memory.load_checkpoint() is None and memory.last_document() is None and memory.documents() == []
+        assert memory.tier_bytes() == TierBytes(hot=0, warm=0, disk=0)
+        memory.close()
+
+
+def test_a_commit_keeps_events_document_and_checkpoint(tmp_path, catalog_url):
+    doc = DocumentProgress(name="notes.txt", size_bytes=100, content_key="k", token_start=0)
+    with open_store(tmp_path, catalog_url) as store:
+        memory = open_namespace(store)
+        add_events(memory, 4)
+        doc.bytes_done, doc.token_end = 60, 20
+        memory.commit(snapshot(memory), doc)
+        assert doc.id is not None and memory.committed_tokens == 20
+        add_events(memory, 2, seed=1)  # sealed after the commit: they belong to the current document
+        details = memory.event_details([0, 3, 4, 5])
+        assert [details[i][0] for i in (0, 3, 4, 5)] == ["notes.txt"] * 4
+        assert details[0][1] is not None and details[4][1] is None  # only committed events have a time
+        memory.commit(snapshot(memory), None)  # a commit without a document: its events have none
+        assert memory.event_details([4])[4][0] is None
+        expected = [memory.tokens(i) for i in range(6)], [memory.event(i) for i in range(6)]
+        memory.close()
+    with open_store(tmp_path, catalog_url, read_only=True) as store:
+        memory = open_namespace(store)
+        assert not memory.writable and len(memory) == 6 and memory.verify() == 6
+        assert ([memory.tokens(i) for i in range(6)], [memory.event(i) for i in range(6)]) == expected
+        assert memory.load_checkpoint() == {"engine": {"n_tokens": 30}}
+        assert [(d.name, d.bytes_done, d.token_end) for d in memory.documents()] == [("notes.txt", 60, 20)]
+        assert memory.last_document() == memory.documents()[0]
+        memory.close()
+
+
+def test_drop_caches_sends_reads_to_the_cold_tier(tmp_path):
+    with open_store(tmp_path) as store:
+        memory = open_namespace(store)
+        add_events(memory, 3)
+        keys, values = memory.gather(1, [2, 0])  # (Hkv, M, D) each
+        reps = memory.representatives(1)
+        tiers = memory.tier_bytes()
+        assert tiers.hot > 0 and tiers.warm > 0 and tiers.disk > 0
+        memory.drop_caches()
+        assert memory.tier_bytes().hot == memory.tier_bytes().warm == 0
+        again = memory.gather(1, [2, 0])
+        assert torch.equal(again[0], keys) and torch.equal(again[1], values)
+        assert keys.shape == (SPEC.num_kv_heads, 10, SPEC.head_dim)
+        assert np.array_equal(memory.representatives(1), reps) and reps.shape == (SPEC.num_layers, 16)
+        memory.close()
+
+
+def test_blob_refs_point_at_the_segment_records(tmp_path):
+    with open_store(tmp_path) as store:
+        memory = open_namespace(store)
+        add_events(memory, 3)
+        refs = [memory.blob_ref(i) for i in range(3)]
+        assert all(isinstance(r, BlobRef) for r in refs) and refs == list(memory.segments.scan(1))
+        assert memory.kv_bytes == sum(r.length for r in refs)
+        memory.close()
+
+
+def test_a_read_only_namespace_keeps_new_events_in_ram(tmp_path):
+    with open_store(tmp_path) as store:
+        memory = open_namespace(store)
+        add_events(memory, 2)
+        memory.commit(snapshot(memory), None)
+        memory.close()
+    with open_store(tmp_path, read_only=True) as store:
+        memory = open_namespace(store)
+        add_events(memory, 2, seed=5)
+        memory.drop_caches()
+        assert len(memory) == 4 and len(memory.tokens(3)) == 5  # read back from RAM, not from disk
+        assert memory.blob_ref(3).segment == -1
+        with pytest.raises(ReadOnlyError):
+            memory.commit(snapshot(memory), None)
+        memory.close()
+    with open_store(tmp_path) as store:
+        assert len(open_namespace(store)) == 2
+
+
+def test_misuse_is_a_store_error(tmp_path):
+    with open_store(tmp_path) as store:
+        memory = open_namespace(store)
+        add_events(memory, 1)
+        keys = torch.zeros(SPEC.num_layers, SPEC.num_kv_heads, 5, SPEC.head_dim)  # (L, Hkv, T, D)
+        reps, summary, tokens = torch.zeros(SPEC.num_layers, 16), torch.zeros(16), torch.arange(5)
+        with pytest.raises(StoreError, match="consecutive"):
+            memory.add(Event(5, 5, 10, 0.0, 0.0), keys, keys, reps, summary, tokens)
+        with pytest.raises(StoreError, match="float16"):
+            memory.add(Event(1, 5, 10, 0.0, 0.0), keys + float("nan"), keys, reps, summary, tokens)
+        with pytest.raises(StoreError, match="do not match"):
+            memory.add(Event(1, 5, 10, 0.0, 0.0), keys, keys, reps, summary, tokens[:4])
+        assert len(memory) == 1
+        memory.close()
+        memory.close()  # twice is fine
+        with pytest.raises(StoreError, match="closed"):
+            memory.commit(snapshot(memory), None)
+        with pytest.raises(StoreError, match="closed"):
+            memory.tokens(0)
+        open_namespace(store)  # a closed namespace can be opened again, once
+        with pytest.raises(StoreError, match="already open"):
+            open_namespace(store)
