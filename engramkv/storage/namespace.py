@@ -17,6 +17,7 @@ namespace opened read-only keeps the events added to it in RAM and refuses commi
 
 from __future__ import annotations
 
+import datetime as dt
 import errno
 import io
 import zlib
@@ -323,9 +324,10 @@ class NamespaceMemory:
     def documents(self) -> list[DocumentProgress]:
         return cat.documents(self.store.db, self.ns_id)
 
-    def event_details(self, event_ids: Sequence[int]) -> dict[int, tuple[str | None, Any]]:
+    def event_details(self, event_ids: Sequence[int]) -> dict[int, tuple[str | None, dt.datetime | None]]:
         """(document name, time committed) of committed events; uncommitted ones get the current document."""
-        details: dict[int, tuple[str | None, Any]] = dict(cat.event_details(self.store.db, self.ns_id, event_ids))
+        details: dict[int, tuple[str | None, dt.datetime | None]] = dict(
+            cat.event_details(self.store.db, self.ns_id, event_ids))
         current = self._document.name if self._document is not None else None
         for event_id in event_ids:
             details.setdefault(event_id, (current, None))
