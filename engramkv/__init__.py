@@ -36,7 +36,15 @@ from engramkv.errors import (
     StoreMismatchError,
 )
 from engramkv.lm import EpisodicLM
-from engramkv.memory.events import DocumentProgress, Event, EventMemory, InMemoryEventMemory, TierBytes
+from engramkv.memory.events import (
+    DocumentProgress,
+    Event,
+    EventMemory,
+    InMemoryEventMemory,
+    PersistentMemory,
+    TierBytes,
+    TransientMemory,
+)
 from engramkv.results import IngestProgress, IngestReport, RecalledEvent, SessionStats
 from engramkv.retrieval.question import RecallPlan
 from engramkv.session import Session
@@ -66,6 +74,7 @@ __all__ = [
     "NamespaceError",
     "NamespaceInfo",
     "NamespaceMemory",
+    "PersistentMemory",
     "ReadOnlyError",
     "RecallConfig",
     "RecallPlan",
@@ -83,6 +92,7 @@ __all__ = [
     "StoreLockedError",
     "StoreMismatchError",
     "TierBytes",
+    "TransientMemory",
     "WindowConfig",
 ]
 __version__ = "0.1.0"

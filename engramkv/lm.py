@@ -11,9 +11,9 @@ from transformers import PreTrainedModel
 from engramkv import hf
 from engramkv.config import EngineConfig, StoreConfig
 from engramkv.errors import ConfigError
-from engramkv.memory.events import EventMemory, InMemoryEventMemory
+from engramkv.memory.events import EventMemory, InMemoryEventMemory, PersistentMemory, TransientMemory
 from engramkv.memory.summary import summary_layer_ids
-from engramkv.session import Session
+from engramkv.session import Session, check_span
 from engramkv.storage.store import DEFAULT_NAME, EventStore
 
 
@@ -26,7 +26,7 @@ class EpisodicLM:
         self.tokenizer = tokenizer
         self.spec = hf.model_spec(model, model_id)
         self.rope = hf.install_episodic_attention(model)
-        self._check(self.config)
+        check_span(self.config, self.spec)
         self._stores: dict[tuple[Path, bool], tuple[EventStore, StoreConfig]] = {}
 
     @classmethod
@@ -58,7 +58,7 @@ class EpisodicLM:
         session adds stays in RAM.
         """
         config = config or self.config
-        self._check(config)
+        check_span(config, self.spec)
         spec = self.spec
         summary_layers = summary_layer_ids(spec.num_layers, config.recall.summary_layers)
         if store is not None:
@@ -70,7 +70,13 @@ class EpisodicLM:
         elif memory is None:  # not `memory or ...`: an empty memory has len 0 and is falsy
             dtype = getattr(torch, config.recall.memory_dtype)
             memory = InMemoryEventMemory(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
-        return Session(self, config, memory, summary_layers)
+        if not isinstance(memory, PersistentMemory):  # a memory of the caller's: its events live in the process
+            memory = TransientMemory(memory)
+        try:
+            return Session(self, config, memory, summary_layers)
+        except BaseException:
+            memory.close()  # a stored stream that cannot be restored must not stay open in this process
+            raise
 
     def open_store(self, path: str | Path, config: EngineConfig | None = None, read_only: bool = False) -> EventStore:
         """The persistent store at `path`, opened once per process and mode (it checks the model's fingerprint).
@@ -94,12 +100,3 @@ class EpisodicLM:
         for store, _ in self._stores.values():
             store.close()
         self._stores.clear()
-
-    def _check(self, config: EngineConfig) -> None:
-        span = config.attention_span(config.generation.max_new_tokens)
-        if span > self.spec.trained_length:
-            raise ConfigError(
-                f"the attention window can reach {span} tokens (sinks + recall budget + local window + one event "
-                f"+ chunk + max_new_tokens) but {self.spec.model_id} was trained on {self.spec.trained_length}; "
-                "shrink window.n_local or recall.budget_tokens"
-            )

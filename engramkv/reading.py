@@ -3,8 +3,9 @@
 The session hands token ids to `Reader.feed`; whole chunks (`window.chunk_size`) are read by the
 engine at once, the rest waits for more or for `flush`. Every `store.commit_tokens` tokens, and when
 the session says so, the reader commits the stream to its memory: the engine's snapshot, the queue,
-the chat so far and the stream settings, which a reopened stream must match. A step or commit that
-fails half-way leaves the reader `broken`: the resident state is no longer whole, the last commit stands.
+the chat so far and the stream settings, which a reopened stream must match. A step that fails
+half-way, or a commit interrupted half-way, leaves the reader `broken`: the resident state is no
+longer whole, the last commit stands.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from engramkv.config import EngineConfig
 from engramkv.documents import IngestRun
 from engramkv.engine.state import EpisodicState
 from engramkv.errors import ConfigError
-from engramkv.memory.events import DocumentProgress, EventMemory
+from engramkv.memory.events import DocumentProgress, PersistentMemory
 from engramkv.results import IngestProgress
 from engramkv.retrieval.question import RecallPlan
 
@@ -29,7 +30,7 @@ ProgressCallback = Callable[[IngestProgress], None]
 class Reader:
     """Feeds one stream's tokens to its engine chunk by chunk and commits the stream to its memory."""
 
-    def __init__(self, state: EpisodicState, memory: EventMemory, cfg: EngineConfig):
+    def __init__(self, state: EpisodicState, memory: PersistentMemory, cfg: EngineConfig):
         self.state, self.memory, self.cfg = state, memory, cfg
         self.pending: list[int] = []  # tokens waiting to fill a chunk
         self.chat_history: list[dict[str, str]] = []  # the conversation so far (chat templates need it)
@@ -97,8 +98,10 @@ class Reader:
             return
         try:
             self.memory.commit(self._snapshot(), document)
-        except BaseException as err:
-            self.broken = f"a commit failed: {err}"
+        except Exception:
+            raise  # the resident state is whole: a later commit may succeed (a failed write breaks the store instead)
+        except BaseException as err:  # interrupted half-way: what the memory holds of this commit is unknown
+            self.broken = f"a commit was interrupted ({type(err).__name__})"
             raise
         self._uncommitted = 0
 

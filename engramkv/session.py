@@ -22,13 +22,24 @@ from engramkv import chat
 from engramkv.config import EngineConfig
 from engramkv.documents import IngestRun, check_document, tokenize_pieces
 from engramkv.engine.state import EpisodicState, Probe
-from engramkv.errors import ConfigError, EmptyInputError, InputError, ReadOnlyError, SessionError
-from engramkv.memory.events import EventMemory
+from engramkv.errors import ConfigError, EmptyInputError, EngramError, InputError, ReadOnlyError, SessionError
+from engramkv.memory.events import PersistentMemory
 from engramkv.reading import ProgressCallback, Reader
 from engramkv.results import IngestReport, RecalledEvent, SessionStats, recalled_events
 from engramkv.retrieval import question
 from engramkv.retrieval.question import RecallPlan
 from engramkv.spec import ModelSpec
+
+
+def check_span(config: EngineConfig, spec: ModelSpec) -> None:
+    """Refuse a config whose attention window could reach past the positions the model was trained on."""
+    span = config.attention_span(config.generation.max_new_tokens)
+    if span > spec.trained_length:
+        raise ConfigError(
+            f"the attention window can reach {span} tokens (sinks + recall budget + local window + one event "
+            f"+ chunk + max_new_tokens) but {spec.model_id} was trained on {spec.trained_length}; "
+            "shrink window.n_local or recall.budget_tokens"
+        )
 
 
 class Backbone(Protocol):
@@ -49,7 +60,7 @@ class Session:
     `SessionError` instead of interleaving tokens. Use one session per thread of work.
     """
 
-    def __init__(self, lm: Backbone, cfg: EngineConfig, memory: EventMemory, summary_layers: list[int]):
+    def __init__(self, lm: Backbone, cfg: EngineConfig, memory: PersistentMemory, summary_layers: list[int]):
         self.lm, self.cfg, self.memory = lm, cfg, memory
         self.state = EpisodicState(lm.model, lm.rope, lm.spec, cfg, memory, summary_layers)
         self.last_recalled: list[RecalledEvent] = []  # the events the last answer attended to, best match first
@@ -60,9 +71,9 @@ class Session:
     # ------------------------------------------------------------------ persistence
     def commit(self) -> None:
         """Make the stream durable in its store (done automatically during and after ingest and chat)."""
-        if not self.memory.writable:
-            raise ReadOnlyError("this session's store was opened read-only; what it adds stays in RAM")
         with self._exclusive("commit"):
+            if not self.memory.writable:
+                raise ReadOnlyError("this session's store was opened read-only; what it adds stays in RAM")
             self._reader.commit()
 
     def close(self) -> None:
@@ -85,16 +96,21 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            self.close()
+        except EngramError:
+            if exc_type is None:
+                raise
+            # else the error in flight says more (a full disk, say); close released the memory regardless
 
     @contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
-        if self._closed:
-            raise SessionError(f"cannot {what}: the session is closed")
         if not self._busy.acquire(blocking=False):
             raise SessionError(f"cannot {what}: the session is busy with another call (one stream, one reader)")
         try:
+            if self._closed:
+                raise SessionError(f"cannot {what}: the session is closed")
             if self._reader.broken is not None:
                 raise SessionError(f"cannot {what}: an earlier call stopped half-way ({self._reader.broken}); "
                                    "open a new session (a stored stream resumes from its last commit)")
@@ -107,12 +123,16 @@ class Session:
         far, copied), read with `config`, whose stream settings must be this session's: what-ifs on the
         answer side (recall budgets, layouts, generation) without reading the stream twice."""
         config = config or self.cfg
-        if config.stream_settings() != self.cfg.stream_settings():
+        check_span(config, self.lm.spec)
+        mine, theirs = self.cfg.recall, config.recall
+        if config.stream_settings() != self.cfg.stream_settings() or (mine.summary_layers, mine.memory_dtype) != (
+            theirs.summary_layers, theirs.memory_dtype
+        ):
             raise ConfigError("a fork continues this stream: its window, segmentation, refinement and "
-                              "representative settings must be the same")
-        if self.memory.persistent:
-            raise SessionError("fork copies an in-RAM stream; open a stored one again (read_only=True) instead")
+                              "representative settings, recall.summary_layers and recall.memory_dtype must be the same")
         with self._exclusive("fork"):
+            if self.memory.persistent:
+                raise SessionError("fork copies an in-RAM stream; open a stored one again (read_only=True) instead")
             twin = Session(self.lm, config, copy.deepcopy(self.memory), self.state.summary_layers)
             twin._reader.copy_from(self._reader)
         return twin
@@ -160,6 +180,8 @@ class Session:
                 self._reader.flush(run=run, progress=progress)
                 run.finish(self.tokens_ingested)
                 self._reader.commit(run.document)
+                if progress is not None:  # the last word: everything read is committed
+                    progress(self._reader.progress(run))
                 if run.stop_requested:
                     raise KeyboardInterrupt
         return IngestReport(
@@ -248,7 +270,7 @@ class Session:
             self.last_recalled = []
             if question_span is not None and recall.enabled and recall.question_match == "keys" and len(self.memory):
                 plan = self._plan_answer(prompt_ids, question_span)
-                self.last_recalled = self._recalled_events(list(plan.hits))
+                self.last_recalled = recalled_events(self.memory, self.lm.tokenizer.decode, list(plan.hits))
             self._reader.feed(prompt_ids, plan)
             self._reader.flush(plan)
             if question_span is not None and plan.events is None:
@@ -272,9 +294,7 @@ class Session:
         """The events the layers recalled for the prompt, most layers first; score = share of layers."""
         n_layers = len(self.state.layers)
         ranked = question.votes([layer.recalled_ids for layer in self.state.layers])
-        return self._recalled_events([(event_id, count / n_layers) for event_id, count in ranked])
-
-    def _recalled_events(self, scored: list[tuple[int, float]]) -> list[RecalledEvent]:
+        scored = [(event_id, count / n_layers) for event_id, count in ranked]
         return recalled_events(self.memory, self.lm.tokenizer.decode, scored)
 
     # ------------------------------------------------------------------ recall
@@ -300,7 +320,7 @@ class Session:
                                       self.cfg.recall, k)
             else:
                 hits = question.match_by_queries(self.memory, probe.queries, k)
-        return self._recalled_events(hits)
+        return recalled_events(self.memory, self.lm.tokenizer.decode, hits)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -321,9 +341,12 @@ class Session:
 
     def stats(self) -> SessionStats:
         """Tokens, events, documents, memory tiers and disk use of this session's stream."""
+        if self._closed:
+            raise SessionError("cannot report stats: the session is closed")
         memory, stream, tiers = self.memory, self.state.stream, self.memory.tier_bytes()
         return SessionStats(
-            model=self.lm.spec.model_id, tokens=stream.n_tokens, queued_tokens=len(self._reader.pending), events=self.events,
+            model=self.lm.spec.model_id, tokens=stream.n_tokens, queued_tokens=len(self._reader.pending),
+            events=self.events,
             resident_tokens=stream.sink_len + int(stream.tail_tokens.numel()),
             documents=[d.name for d in memory.documents()], store=memory.location, namespace=memory.namespace,
             codec=memory.codec, hot_bytes=tiers.hot, warm_bytes=tiers.warm, disk_bytes=tiers.disk,

@@ -7,7 +7,8 @@ EXPORTED = {
     "EpisodicLM", "Session", "EventStore", "NamespaceMemory", "NamespaceInfo",
     # what calls return or take
     "IngestReport", "IngestProgress", "RecalledEvent", "SessionStats", "RecallPlan", "ModelSpec",
-    "Event", "EventMemory", "InMemoryEventMemory", "DocumentProgress", "TierBytes",
+    "Event", "EventMemory", "PersistentMemory", "TransientMemory", "InMemoryEventMemory", "DocumentProgress",
+    "TierBytes",
     # the config tree
     "EngineConfig", "ModelConfig", "WindowConfig", "SegmentationConfig", "RefinementConfig", "RepresentativeConfig",
     "RecallConfig", "GenerationConfig", "StoreConfig", "IndexConfig",

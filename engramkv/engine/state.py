@@ -257,6 +257,8 @@ class EpisodicState:
         """
         return {
             **self.stream.snapshot(), "last_logits": self.last_logits,
+            # Derived, written for the engramkv versions that held them as counters (they read them back).
+            "sink_len": self.stream.sink_len, "tail_start": self.stream.local_start, "events_sealed": len(self.memory),
             "layers": [
                 {
                     # clone(): the resident tensors are views into larger buffers, and saving a view

@@ -3,9 +3,10 @@
 An event is a contiguous span of the token stream, sealed when it leaves the local
 window. Its KV (pre-RoPE keys, values) for every layer, one representative vector per
 layer (for recall while reading) and one key summary (for matching questions, see
-`memory.summary`) go into an `EventMemory`. The tiered persistent store (`storage.namespace`)
-implements the same protocol, persistence included; the in-RAM memory here makes every
-persistence call a no-op, so a session holds one `memory` and never asks which kind it is.
+`memory.summary`) go into an `EventMemory`. A session also commits its stream to its memory:
+`PersistentMemory` adds those calls. The tiered store (`storage.namespace`) implements them; the
+in-RAM memory here, and `TransientMemory` around any other `EventMemory`, make each of them a
+no-op, so a session holds one `memory` and never asks which kind it is.
 
 Event ids are consecutive integers in stream order, so id ± d are temporal neighbours.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -94,7 +95,11 @@ class EventMemory(Protocol):
     @property
     def kv_bytes(self) -> int: ...
 
-    # ---- persistence (the in-RAM memory: nothing persists, every call is a no-op)
+
+@runtime_checkable
+class PersistentMemory(EventMemory, Protocol):
+    """An `EventMemory` a session can commit its stream to (in RAM every call is a no-op)."""
+
     @property
     def persistent(self) -> bool:
         """True when commits outlive the process (a store namespace)."""
@@ -176,7 +181,80 @@ class _GrowingBuffer:
         return self.data.narrow(self.dim, 0, self.size)
 
 
-class InMemoryEventMemory:
+class _NoPersistence:
+    """The `PersistentMemory` calls of a memory whose events live as long as the process: no-ops."""
+
+    persistent = False
+    writable = True
+    location: str | None = None
+    namespace: str | None = None
+    committed_tokens = 0
+
+    @property
+    def kv_bytes(self) -> int:
+        raise NotImplementedError
+
+    def commit(self, snapshot: dict[str, Any], document: DocumentProgress | None) -> None:
+        pass
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        return None
+
+    def last_document(self) -> DocumentProgress | None:
+        return None
+
+    def documents(self) -> list[DocumentProgress]:
+        return []
+
+    def event_details(self, event_ids: Sequence[int]) -> dict[int, tuple[str | None, dt.datetime | None]]:
+        return {}
+
+    def tier_bytes(self) -> TierBytes:
+        return TierBytes(hot=0, warm=self.kv_bytes, disk=0)
+
+    def close(self) -> None:
+        pass
+
+
+class TransientMemory(_NoPersistence):
+    """Any `EventMemory` as a `PersistentMemory` whose commits do nothing (what `EpisodicLM.session(memory=)`
+    wraps a memory of the caller's in)."""
+
+    def __init__(self, memory: EventMemory):
+        self.inner = memory
+
+    @property
+    def codec(self) -> str:
+        return type(self.inner).__name__
+
+    def add(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
+            key_summary: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.inner.add(event, keys, values, representatives, key_summary, token_ids)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def event(self, event_id: int) -> Event:
+        return self.inner.event(event_id)
+
+    def tokens(self, event_id: int) -> list[int]:
+        return self.inner.tokens(event_id)
+
+    def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        return self.inner.search(layer, query, k)
+
+    def search_keys(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        return self.inner.search_keys(summary, k)
+
+    def gather(self, layer: int, event_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.gather(layer, event_ids)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.inner.kv_bytes
+
+
+class InMemoryEventMemory(_NoPersistence):
     """All events in host RAM: one growing KV buffer per layer, representatives in one matrix per layer."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16):
@@ -243,34 +321,6 @@ class InMemoryEventMemory:
         per_layer = [b.view().numel() * b.view().element_size() for b in self._keys + self._values]
         return sum(per_layer)
 
-    # ---- persistence: none
-    persistent = False
-    writable = True
-    location = None
-    namespace = None
-    committed_tokens = 0
-
     @property
     def codec(self) -> str:
         return str(self.dtype).removeprefix("torch.")
-
-    def commit(self, snapshot: dict[str, Any], document: DocumentProgress | None) -> None:
-        pass
-
-    def load_checkpoint(self) -> dict[str, Any] | None:
-        return None
-
-    def last_document(self) -> DocumentProgress | None:
-        return None
-
-    def documents(self) -> list[DocumentProgress]:
-        return []
-
-    def event_details(self, event_ids: Sequence[int]) -> dict[int, tuple[str | None, dt.datetime | None]]:
-        return {}
-
-    def tier_bytes(self) -> TierBytes:
-        return TierBytes(hot=0, warm=self.kv_bytes, disk=0)
-
-    def close(self) -> None:
-        pass
