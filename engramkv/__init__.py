@@ -9,6 +9,7 @@ Everything a caller needs is exported here; the modules behind it are private to
 """
 
 from engramkv.config import (
+    AllocationConfig,
     EngineConfig,
     GenerationConfig,
     IndexConfig,
@@ -53,6 +54,7 @@ from engramkv.storage.namespace import NamespaceMemory
 from engramkv.storage.store import EventStore, NamespaceInfo
 
 __all__ = [
+    "AllocationConfig",
     "ConfigError",
     "DocumentProgress",
     "EmptyInputError",

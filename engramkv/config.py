@@ -161,6 +161,16 @@ class RecallConfig(_Strict):
     )
 
 
+class AllocationConfig(_Strict):
+    """The recall budget model (`retrieval.allocation`): how it is fitted. Not used for answers yet."""
+
+    eps: float = Field(default=0.01, gt=0, description="log(theta + eps): keeps a zero parameter finite (the paper's).")
+    score_clip: float = Field(
+        default=0.02, gt=0, lt=0.5, description="Scores are clipped to [clip, 1 - clip] before the logit of the fit."
+    )
+    ridge: float = Field(default=1e-6, ge=0, description="Ridge term of the least-squares fit (numerical safety).")
+
+
 class GenerationConfig(_Strict):
     """Decoding defaults."""
 
@@ -247,6 +257,7 @@ class EngineConfig(_Strict):
     representatives: RepresentativeConfig = RepresentativeConfig()
     recall: RecallConfig = RecallConfig()
     generation: GenerationConfig = GenerationConfig()
+    allocation: AllocationConfig = AllocationConfig()
     store: StoreConfig = StoreConfig()
 
     # The knobs that shape the stream itself: a stored stream can only continue under the same ones.

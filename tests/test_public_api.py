@@ -10,7 +10,7 @@ EXPORTED = {
     "Event", "EventMemory", "PersistentMemory", "TransientMemory", "InMemoryEventMemory", "DocumentProgress",
     "TierBytes",
     # the config tree
-    "EngineConfig", "ModelConfig", "WindowConfig", "SegmentationConfig", "RefinementConfig", "RepresentativeConfig",
+    "EngineConfig", "AllocationConfig", "ModelConfig", "WindowConfig", "SegmentationConfig", "RefinementConfig", "RepresentativeConfig",
     "RecallConfig", "GenerationConfig", "StoreConfig", "IndexConfig",
     # the exception tree
     "EngramError", "ConfigError", "ModelLoadError", "InputError", "EmptyInputError", "SessionError", "StoreError",

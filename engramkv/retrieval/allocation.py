@@ -1,0 +1,154 @@
+"""The recall budget model (after Yue et al., "Inference Scaling for Long-Context RAG"): predict how
+well a question will be answered under inference parameters theta, and choose theta under a limit.
+
+theta = (k events pinned, s tokens of temporal context per hit, n recall rounds, m demonstrations,
+w tokens of the resident window attended). Informativeness i (F,) is measured per question before it
+is answered (match-score features, `informativeness`). The model, with eps = `AllocationConfig.eps`:
+
+    logit(P) = (a + B i)^T log(theta + eps) + c          a (P,), B (P, F), c scalar
+
+B generalises the paper's elementwise `b * i` to features that are not one per parameter (B diagonal
+with F = P is the paper's form). It is linear in its coefficients, so it is fitted by least squares
+on logit(P), P clipped away from 0 and 1. Cost of theta = attended window + k * s * n + prompt +
+demonstrations (effective context tokens). `choose` takes the best predicted theta within a limit;
+`allocate` shares one limit among many questions, each step of budget going to the question with the
+best predicted gain per token.
+
+Not wired into answering yet: the coefficients must first be fitted on calibration runs and beat the
+fixed default on held-out data (issue 17).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel
+
+from engramkv.config import AllocationConfig
+from engramkv.errors import InputError
+
+PARAMETERS = ("k", "s", "n", "m", "w")
+FEATURES = ("margin", "entropy", "above", "window_margin", "i_doc")
+
+
+@dataclass(frozen=True, order=True)
+class Theta:
+    """Inference parameters of one answer."""
+
+    k: int  # events pinned
+    s: int  # tokens of temporal context per hit
+    n: int  # recall rounds
+    m: int  # worked demonstrations before the question
+    w: int  # tokens of the resident window (sinks + local) attended
+
+    def vector(self) -> torch.Tensor:  # (P,)
+        return torch.tensor([self.k, self.s, self.n, self.m, self.w], dtype=torch.float64)
+
+
+def cost(theta: Theta, prompt_tokens: int, demonstration_tokens: int) -> int:
+    """Effective context tokens of an answer under `theta`."""
+    return theta.w + theta.k * theta.s * theta.n + prompt_tokens + theta.m * demonstration_tokens
+
+
+def informativeness(scores: torch.Tensor, window_margin: float, i_doc: float) -> torch.Tensor:  # (F,)
+    """Cheap features of a question's match scores over the events (N,), known before it is answered:
+    the top-1 margin over the background (in std), the entropy of softmax(scores) over log N, the
+    count above mean + 2 std, the window-versus-memory margin, and i_doc (the change in the first
+    answer token's log-probability with one recalled event against none)."""
+    s = scores.double()
+    if s.numel() < 2:
+        return torch.tensor([0.0, 0.0, 0.0, window_margin, i_doc], dtype=torch.float64)
+    mean, std = s.mean(), s.std().clamp(min=1e-9)
+    margin = (s.max() - mean) / std
+    p = torch.softmax(s, dim=0)
+    entropy = -(p * p.clamp(min=1e-30).log()).sum() / torch.log(torch.tensor(float(s.numel())))
+    above = (s > mean + 2 * std).sum()
+    return torch.tensor([float(margin), float(entropy), float(above), window_margin, i_doc], dtype=torch.float64)
+
+
+class AllocationModel(BaseModel):
+    """Fitted coefficients: a (P,), B (P, F) as nested lists, c; what `engramkv calibrate` writes as JSON."""
+
+    a: list[float]
+    b: list[list[float]]
+    c: float
+    eps: float
+
+    def logit(self, theta: Theta, info: torch.Tensor) -> float:
+        a, b = torch.tensor(self.a, dtype=torch.float64), torch.tensor(self.b, dtype=torch.float64)
+        slope = a + b @ info.double()  # (P,)
+        return float(slope @ torch.log(theta.vector() + self.eps) + self.c)
+
+    def predict(self, theta: Theta, info: torch.Tensor) -> float:
+        """Predicted score in (0, 1)."""
+        return float(torch.sigmoid(torch.tensor(self.logit(theta, info))))
+
+
+def design_row(theta: Theta, info: torch.Tensor, eps: float, with_interaction: bool = True) -> torch.Tensor:
+    """The regressors of one observation: log(theta + eps) (P,), its products with i (P * F,), 1."""
+    log_theta = torch.log(theta.vector() + eps)  # (P,)
+    parts = [log_theta]
+    if with_interaction:
+        parts.append(torch.outer(log_theta, info.double()).flatten())  # (P * F,) row-major: B[p, f]
+    parts.append(torch.ones(1, dtype=torch.float64))
+    return torch.cat(parts)
+
+
+def fit(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence[float], cfg: AllocationConfig,
+        with_interaction: bool = True) -> AllocationModel:
+    """Least squares on logit(clip(score)); without the interaction B is zero (the paper's ablation)."""
+    if not thetas or not len(thetas) == len(infos) == len(scores):
+        raise InputError("fit needs as many thetas, feature vectors and scores, at least one")
+    x = torch.stack([design_row(t, i, cfg.eps, with_interaction) for t, i in zip(thetas, infos)])  # (N, R)
+    p = torch.tensor(scores, dtype=torch.float64).clamp(cfg.score_clip, 1 - cfg.score_clip)
+    y = torch.log(p / (1 - p))  # (N,)
+    ridge = cfg.ridge * torch.eye(x.shape[1], dtype=torch.float64)
+    coef = torch.linalg.solve(x.T @ x + ridge, x.T @ y)  # (R,)
+    n_params, n_features = len(PARAMETERS), infos[0].numel()
+    a = coef[:n_params]
+    b = coef[n_params:-1].view(n_params, n_features) if with_interaction else torch.zeros(n_params, n_features)
+    return AllocationModel(a=a.tolist(), b=b.tolist(), c=float(coef[-1]), eps=cfg.eps)
+
+
+def choose(model: AllocationModel, grid: Sequence[Theta], info: torch.Tensor, limit: int,
+           cost_of: Callable[[Theta], int]) -> Theta | None:
+    """The theta of `grid` with the best predicted score whose cost is within `limit` (None: none fits);
+    ties go to the cheaper one."""
+    feasible = [t for t in grid if cost_of(t) <= limit]
+    if not feasible:
+        return None
+    return max(feasible, key=lambda t: (model.logit(t, info), -cost_of(t)))
+
+
+def allocate(model: AllocationModel, grid: Sequence[Theta], infos: Sequence[torch.Tensor], total: int,
+             cost_of: Callable[[Theta], int]) -> list[Theta | None]:
+    """One theta per question, all costs together within `total`. Each question starts at its cheapest
+    theta (in grid order of cost) while they fit; then, step by step, the question whose next dearer theta
+    gains the most predicted score per extra token moves up, while the total allows."""
+    ladder = sorted(set(grid), key=lambda t: (cost_of(t), t))
+    chosen: list[Theta | None] = [None] * len(infos)
+    spent = 0
+    for q in range(len(infos)):
+        if ladder and spent + cost_of(ladder[0]) <= total:
+            chosen[q], spent = ladder[0], spent + cost_of(ladder[0])
+    while True:
+        best: tuple[float, int, Theta] | None = None
+        for q, info in enumerate(infos):
+            current = chosen[q]
+            if current is None:
+                continue
+            now, base = model.predict(current, info), cost_of(current)
+            for candidate in ladder:
+                extra = cost_of(candidate) - base
+                if extra <= 0 or spent + extra > total:
+                    continue
+                gain = (model.predict(candidate, info) - now) / extra
+                if gain > 0 and (best is None or gain > best[0]):
+                    best = (gain, q, candidate)
+        if best is None:
+            return chosen
+        _, q, candidate = best
+        spent += cost_of(candidate) - cost_of(chosen[q])  # type: ignore[arg-type]  # only held thetas move up
+        chosen[q] = candidate

@@ -1,0 +1,101 @@
+"""The recall budget model: fitting, choosing under a limit, sharing one limit among questions."""
+
+import itertools
+import random
+
+import torch
+
+from engramkv.config import AllocationConfig
+from engramkv.retrieval.allocation import (
+    AllocationModel,
+    Theta,
+    allocate,
+    choose,
+    cost,
+    design_row,
+    fit,
+    informativeness,
+)
+
+CFG = AllocationConfig()
+GRID = [Theta(*values) for values in itertools.product([1, 2, 4, 8], [32, 128], [1, 2], [0, 1], [256, 1024])]
+
+
+def _cost(theta):
+    return cost(theta, prompt_tokens=20, demonstration_tokens=60)
+
+
+def _known_model():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(5, generator=g, dtype=torch.float64) * 0.3
+    b = torch.randn(5, 5, generator=g, dtype=torch.float64) * 0.1
+    return AllocationModel(a=a.tolist(), b=b.tolist(), c=-0.5, eps=CFG.eps)
+
+
+def test_the_fit_recovers_known_coefficients_from_synthetic_data():
+    truth = _known_model()
+    rng = random.Random(1)
+    thetas, infos, scores = [], [], []
+    for _ in range(600):
+        theta = rng.choice(GRID)
+        info = torch.tensor([rng.uniform(0, 4), rng.uniform(0, 1), rng.randint(0, 5), rng.uniform(-0.05, 0.05),
+                             rng.uniform(-2, 2)], dtype=torch.float64)
+        thetas.append(theta)
+        infos.append(info)
+        scores.append(truth.predict(theta, info))  # noise-free: exact recovery up to the clip and the ridge
+    fitted = fit(thetas, infos, scores, AllocationConfig(score_clip=1e-6, ridge=0.0))
+    assert torch.allclose(torch.tensor(fitted.a), torch.tensor(truth.a), atol=1e-6)
+    assert torch.allclose(torch.tensor(fitted.b), torch.tensor(truth.b), atol=1e-6)
+    assert abs(fitted.c - truth.c) < 1e-6
+    plain = fit(thetas, infos, scores, CFG, with_interaction=False)  # the ablation: B = 0
+    assert torch.count_nonzero(torch.tensor(plain.b)) == 0
+
+
+def test_the_design_row_is_the_model_written_out():
+    model, theta = _known_model(), Theta(4, 128, 2, 1, 1024)
+    info = torch.tensor([1.0, 0.5, 2.0, 0.01, -0.3], dtype=torch.float64)
+    coef = torch.tensor([*model.a, *torch.tensor(model.b, dtype=torch.float64).flatten().tolist(), model.c],
+                        dtype=torch.float64)
+    assert abs(float(design_row(theta, info, CFG.eps) @ coef) - model.logit(theta, info)) < 1e-9
+
+
+def test_the_chooser_never_exceeds_the_limit_and_takes_the_best_that_fits():
+    model = _known_model()
+    info = torch.tensor([2.0, 0.3, 1.0, 0.0, 0.5], dtype=torch.float64)
+    for limit in [0, 300, 800, 2000, 5000, 100_000]:
+        chosen = choose(model, GRID, info, limit, _cost)
+        feasible = [t for t in GRID if _cost(t) <= limit]
+        if not feasible:
+            assert chosen is None
+            continue
+        assert _cost(chosen) <= limit
+        assert model.logit(chosen, info) == max(model.logit(t, info) for t in feasible)
+
+
+def test_questions_sharing_a_limit_spend_at_most_it():
+    model = _known_model()
+    rng = random.Random(2)
+    infos = [torch.tensor([rng.uniform(0, 4), rng.random(), rng.randint(0, 4), 0.0, rng.uniform(-1, 1)],
+                          dtype=torch.float64) for _ in range(6)]
+    for total in [0, 500, 3000, 12_000, 60_000]:
+        chosen = allocate(model, GRID, infos, total, _cost)
+        assert sum(_cost(t) for t in chosen if t is not None) <= total
+        if total >= 6 * min(_cost(t) for t in GRID):
+            assert all(t is not None for t in chosen)  # everyone is answered before anyone gets more
+
+
+def test_a_clear_match_is_given_fewer_events_than_a_flat_score_profile():
+    # A model in which more events help only when the match is unclear: the slope on log k falls with the
+    # margin feature (B[k, margin] < 0) and more events cost nothing else.
+    a = [0.9, 0.0, 0.0, 0.0, 0.0]
+    b = [[-0.4, 0, 0, 0, 0]] + [[0.0] * 5 for _ in range(4)]
+    model = AllocationModel(a=a, b=b, c=0.0, eps=CFG.eps)
+    grid = [Theta(k, 64, 1, 0, 512) for k in (1, 2, 4, 8)]
+    g = torch.Generator().manual_seed(3)
+    flat_scores = torch.rand(200, generator=g) * 0.01
+    clear_scores = flat_scores.clone()
+    clear_scores[17] = 1.0
+    clear, flat = (informativeness(s, window_margin=0.0, i_doc=0.0) for s in (clear_scores, flat_scores))
+    assert clear[0] > flat[0] and clear[1] < flat[1]  # margin up, entropy down
+    limit = 10_000
+    assert choose(model, grid, clear, limit, _cost).k < choose(model, grid, flat, limit, _cost).k
