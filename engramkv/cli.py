@@ -112,12 +112,18 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 def cmd_ask(args: argparse.Namespace) -> int:
     lm = _model(args)
     session = _session(lm, args, read_only=True)
-    answer = session.chat(args.question, max_new_tokens=args.max_new_tokens)
+    answer = session.chat(args.question, max_new_tokens=args.max_new_tokens, budget_tokens=args.budget_tokens)
     recalled = session.last_recalled[: args.k]  # the events the answer attended to, best match first
+    plan = session.last_plan
+    read = None if plan is None else {"budget_tokens": plan.budget,
+                                      "events": None if plan.events is None else list(plan.events)}
     if args.json:
-        print(json.dumps({"answer": answer, "recalled": [r.model_dump(mode="json") for r in recalled]}))
+        print(json.dumps({"answer": answer, "recalled": [r.model_dump(mode="json") for r in recalled], "plan": read}))
     else:
         print(answer.strip())
+        if args.show_recall and plan is not None:
+            pinned = "each layer's own recall" if plan.events is None else f"{len(plan.events)} events"
+            print(f"  read: {pinned}, at most {plan.budget} memory tokens per layer")
         for r in recalled if args.show_recall else []:
             print(f"  [{r.score:+.2f}] event {r.event_id} (tokens {r.token_start}-{r.token_end}): "
                   f"{_one_line(r.text)}")
@@ -231,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("question")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"longest answer in tokens (default: the config's, {GenerationConfig().max_new_tokens})")
+    p.add_argument("--budget-tokens", type=int, default=None,
+                   help="the most context the answer reads: resident window + question + recalled tokens "
+                   "(default: recall.answer_context_tokens, unset)")
     p.add_argument("--show-recall", action="store_true", help="also print the events the answer attended to, best match first")
     p.add_argument("-k", type=int, default=3, help="events shown with --show-recall or --json (default 3)")
     _common(p)

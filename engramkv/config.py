@@ -98,6 +98,12 @@ class RecallConfig(_Strict):
         "(None: budget_tokens). "
         "Smaller than the reading budget: a question wants its best matches, not their filler.",
     )
+    answer_context_tokens: int | None = Field(
+        default=None, ge=0,
+        description="The most context an answer reads: its resident window, the prompt and the recalled tokens "
+        "together (None: only answer_budget_tokens bounds the recalled part). `Session.chat(budget_tokens=)` sets "
+        "it per call.",
+    )
     contiguity_fraction: float = Field(
         default=0.3, ge=0, le=1, description="Share of the budget given to temporal neighbours of the hits."
     )

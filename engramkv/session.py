@@ -64,6 +64,7 @@ class Session:
         self.lm, self.cfg, self.memory = lm, cfg, memory
         self.state = EpisodicState(lm.model, lm.rope, lm.spec, cfg, memory, summary_layers)
         self.last_recalled: list[RecalledEvent] = []  # the events the last answer attended to, best match first
+        self.last_plan: RecallPlan | None = None  # how the last answer read memory (its events and budget)
         self._busy = threading.Lock()
         self._closed = False
         self._reader = Reader(self.state, memory, cfg)  # restores the stream from the memory's last commit
@@ -197,46 +198,52 @@ class Session:
             self._reader.flush(progress=progress)
 
     # ------------------------------------------------------------------ generation
-    def generate(
-        self, prompt: str, max_new_tokens: int | None = None, question: str | None = None, stream: bool = False
-    ) -> Any:
+    def generate(self, prompt: str, max_new_tokens: int | None = None, question: str | None = None,
+                 stream: bool = False, budget_tokens: int | None = None) -> Any:
         """Raw continuation of everything ingested, then `prompt`; the text, or an iterator of pieces if `stream`.
 
         `question`: the part of `prompt` that asks (its last occurrence), matched against memory the
         way `chat` matches a message (`recall.question_match`); e.g. `prompt="\n\nWhat is the pass
         key? The pass key is"`, `question="What is the pass key?"`. Without it, every layer recalls by
-        its own queries.
+        its own queries. `budget_tokens`: the most context the answer reads (resident window + prompt +
+        recalled tokens; default `recall.answer_context_tokens`), as `chat` takes it.
         """
         tokenizer = self.lm.tokenizer
         if question is None:
-            pieces = self._reply(chat.encode(tokenizer, prompt), max_new_tokens)
+            pieces = self._reply(chat.encode(tokenizer, prompt), max_new_tokens, budget_tokens=budget_tokens)
         else:
             at = prompt.rfind(question) if isinstance(question, str) and question.strip() else -1
             if at < 0:
                 raise InputError("question must be a non-blank part of prompt")
             ids, span = chat.encode_around(tokenizer, prompt[:at], question, prompt[at + len(question) :])
-            pieces = self._reply(ids, max_new_tokens, question_span=span)
+            pieces = self._reply(ids, max_new_tokens, question_span=span, budget_tokens=budget_tokens)
         return pieces if stream else "".join(pieces)
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> list[int]:
         """Greedy/temperature continuation on token ids; returns the new ids (stops at EOS)."""
         return list(self._generate(prompt_ids, max_new_tokens))
 
-    def chat(self, message: str, stream: bool = False, max_new_tokens: int | None = None) -> Any:
+    def chat(self, message: str, stream: bool = False, max_new_tokens: int | None = None,
+             budget_tokens: int | None = None) -> Any:
         """One chat turn in `generation.chat_format`, answered from memory; the reply, or an iterator of pieces
-        if `stream`. The turn joins the stream (and, in a store, is committed): conversation is memory too."""
+        if `stream`. The turn joins the stream (and, in a store, is committed): conversation is memory too.
+
+        `budget_tokens`: the most context the answer reads, its resident window, the turn and the recalled
+        events together (default `recall.answer_context_tokens`; None: only `recall.answer_budget_tokens`
+        bounds the recalled part). `last_plan` tells what the answer read.
+        """
         if not isinstance(message, str):
             raise InputError(f"chat takes a str message, got {type(message).__name__}")
         if not message.strip():
             raise EmptyInputError("empty chat message")
-        pieces = self._chat_pieces(message, max_new_tokens)
+        pieces = self._chat_pieces(message, max_new_tokens, budget_tokens)
         return pieces if stream else "".join(pieces)
 
-    def _chat_pieces(self, message: str, max_new_tokens: int | None) -> Iterator[str]:
+    def _chat_pieces(self, message: str, max_new_tokens: int | None, budget_tokens: int | None) -> Iterator[str]:
         turn = chat.chat_turn(self.lm.tokenizer, self.cfg.generation, self._reader.chat_history, message)
         reply: list[str] = []
         for piece in self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text,
-                                 turn.question_span):
+                                 turn.question_span, budget_tokens):
             reply.append(piece)
             yield piece
         self._reader.chat_history += [{"role": "user", "content": message},
@@ -246,56 +253,50 @@ class Session:
                 self._reader.commit()
 
     def _reply(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
-               stop_text: str | None = None, question_span: tuple[int, int] | None = None) -> Iterator[str]:
-        tokens = self._generate(prompt_ids, max_new_tokens, preamble_ids, question_span)
+               stop_text: str | None = None, question_span: tuple[int, int] | None = None,
+               budget_tokens: int | None = None) -> Iterator[str]:
+        tokens = self._generate(prompt_ids, max_new_tokens, preamble_ids, question_span, budget_tokens)
         try:
             yield from chat.stream_text(self.lm.tokenizer, tokens, stop_text)
         finally:
             tokens.close()  # releases the session even when the caller stops early
 
     def _generate(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
-                  question_span: tuple[int, int] | None = None) -> Generator[int, None, None]:
+                  question_span: tuple[int, int] | None = None,
+                  budget_tokens: int | None = None) -> Generator[int, None, None]:
         """With `question_span` (the question's tokens within `prompt_ids`) and question_match = "keys",
         every layer attends to the events that match the question while the answer is read and written."""
         if not prompt_ids and self._reader.tokens == 0:
             raise EmptyInputError("nothing to continue: empty prompt and empty session")
         generation, recall = self.cfg.generation, self.cfg.recall
-        limit = max_new_tokens if max_new_tokens is not None else generation.max_new_tokens
+        max_new = max_new_tokens if max_new_tokens is not None else generation.max_new_tokens
         stop = chat.stop_ids(self.lm.tokenizer)
         with self._exclusive("generate"):
-            plan = question.layer_recall_plan(recall)
+            stream = self.state.stream  # what the answer reads anyway: the resident window and the turn
+            context = stream.sink_len + self._reader.tokens - stream.local_start + len(preamble_ids) + len(prompt_ids)
+            limit = budget_tokens if budget_tokens is not None else recall.answer_context_tokens
+            budget = question.answer_budget(recall, limit, context)
+            plan = self.last_plan = question.layer_recall_plan(budget)
             if preamble_ids:
                 self._reader.feed(list(preamble_ids), plan)
                 self._reader.flush(plan)
             self.last_recalled = []
             if question_span is not None and recall.enabled and recall.question_match == "keys" and len(self.memory):
-                plan = self._plan_answer(prompt_ids, question_span)
+                plan = self.last_plan = self._plan_answer(prompt_ids, question_span, budget)
                 self.last_recalled = recalled_events(self.memory, self.lm.tokenizer.decode, list(plan.hits))
             self._reader.feed(prompt_ids, plan)
             self._reader.flush(plan)
             if question_span is not None and plan.events is None:
-                self.last_recalled = self._attended_events()
-            yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan), limit,
-                                   stop, generation)
+                self.last_recalled = _attended_events(self.state, self.memory, self.lm.tokenizer)
+            yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),
+                                   max_new, stop, generation)
 
-    def _plan_answer(self, prompt_ids: list[int], span: tuple[int, int]) -> RecallPlan:
+    def _plan_answer(self, prompt_ids: list[int], span: tuple[int, int], budget: int) -> RecallPlan:
         self._reader.flush()  # the probe reads the prompt after everything queued
-        probe, question_keys = self._probe(prompt_ids, span)
+        probe, question_keys = _probe(self.state, prompt_ids, span)
         layers = self.state.summary_layers
         return question.plan_answer(self.memory, question_keys, layers, probe.recalled,
-                                    self.state.resident_keys(layers), self.cfg.recall, self.state.n_tokens)
-
-    def _probe(self, ids: list[int], span: tuple[int, int]) -> tuple[Probe, torch.Tensor]:
-        """The probe of `ids` after the stream, and the keys of ids[span] at the summary layers (S, Hkv, C, D)."""
-        probe = self.state.probe(torch.tensor(ids, dtype=torch.long))
-        return probe, torch.stack([probe.keys[layer][:, span[0] : span[1]] for layer in self.state.summary_layers])
-
-    def _attended_events(self) -> list[RecalledEvent]:
-        """The events the layers recalled for the prompt, most layers first; score = share of layers."""
-        n_layers = len(self.state.layers)
-        ranked = question.votes([layer.recalled_ids for layer in self.state.layers])
-        scored = [(event_id, count / n_layers) for event_id, count in ranked]
-        return recalled_events(self.memory, self.lm.tokenizer.decode, scored)
+                                    self.state.resident_keys(layers), self.cfg.recall, self.state.n_tokens, budget)
 
     # ------------------------------------------------------------------ recall
     def recall(self, query: str, k: int = 5) -> list[RecalledEvent]:
@@ -314,7 +315,7 @@ class Session:
             if len(self.memory) == 0:
                 return []
             self._reader.flush()
-            probe, question_keys = self._probe(ids, (0, len(ids)))
+            probe, question_keys = _probe(self.state, ids, (0, len(ids)))
             if self.cfg.recall.question_match == "keys":
                 hits = question.match(self.memory, question_keys, self.state.summary_layers, probe.recalled,
                                       self.cfg.recall, k)
@@ -334,10 +335,7 @@ class Session:
 
     def recent_surprise(self) -> tuple[list[float], list[int]]:
         """Surprise of the tokens still in the local window, and where events start among them (indices)."""
-        stream = self.state.stream
-        values = stream.local_surprise.tolist()
-        starts = [b - stream.local_start for b in stream.boundaries]
-        return values, [0, *starts] if values else []
+        return self.state.stream.recent_surprise()
 
     def stats(self) -> SessionStats:
         """Tokens, events, documents, memory tiers and disk use of this session's stream."""
@@ -352,3 +350,16 @@ class Session:
             codec=memory.codec, hot_bytes=tiers.hot, warm_bytes=tiers.warm, disk_bytes=tiers.disk,
             committed_tokens=memory.committed_tokens,
         )
+
+
+def _probe(state: EpisodicState, ids: list[int], span: tuple[int, int]) -> tuple[Probe, torch.Tensor]:
+    """The probe of `ids` after the stream, and the keys of ids[span] at the summary layers (S, Hkv, C, D)."""
+    probe = state.probe(torch.tensor(ids, dtype=torch.long))
+    return probe, torch.stack([probe.keys[layer][:, span[0] : span[1]] for layer in state.summary_layers])
+
+
+def _attended_events(state: EpisodicState, memory: PersistentMemory, tokenizer: Any) -> list[RecalledEvent]:
+    """The events the layers recalled for the prompt, most layers first; score = share of layers."""
+    ranked = question.votes([layer.recalled_ids for layer in state.layers])
+    scored = [(event_id, count / len(state.layers)) for event_id, count in ranked]
+    return recalled_events(memory, tokenizer.decode, scored)

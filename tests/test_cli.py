@@ -67,6 +67,10 @@ def test_ingest_then_ask_recall_stats_and_sessions(tmp_path, capsys):
     answer = json.loads(capsys.readouterr().out)
     assert len(answer["answer"].split()) == 4 and len(answer["recalled"]) == 3
     assert answer["recalled"][0]["document"] == str(doc.resolve())
+    assert answer["plan"]["budget_tokens"] > 0
+
+    assert cli.main(["ask", "1 2 3", "--store", store, "--json", "--max-new-tokens", "2", "--budget-tokens", "5"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["budget_tokens"] == 0  # the window alone is over 5 tokens
 
     assert cli.main(["recall", "5 6 7", "--store", store, "-k", "2", "--json"]) == 0
     recalled = json.loads(capsys.readouterr().out)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from engramkv import EngineConfig
 from engramkv.config import RecallConfig, SegmentationConfig, WindowConfig
+from engramkv import chat
 from engramkv.errors import InputError
 from engramkv.memory.events import Event, InMemoryEventMemory
 from engramkv.memory.summary import key_summary, summary_layer_ids
@@ -259,3 +260,22 @@ def test_before_question_layout_puts_the_answer_events_between_the_text_and_the_
     assert seen["before_window"] and {at for at, _, _ in seen["before_window"]} == {0}
     assert seen["before_question"] and all(at == before > 0 for at, before, _ in seen["before_question"])
     assert any(at < n for at, _, n in seen["before_question"])  # prompt tokens came after the memory
+
+
+def test_a_context_limit_per_answer_bounds_what_it_reads():
+    question = " ".join(map(str, [7, 77, 177, 17, 71, 170, 107, 7]))
+    session, _, _ = _planted_session()
+    session.chat(question, max_new_tokens=2)
+    unlimited = session.last_plan
+    assert unlimited.events and unlimited.budget == 48  # the answer budget of CFG
+    stream = session.state.stream
+    resident = stream.sink_len + session.tokens_ingested - stream.local_start
+    prompt = len(chat.chat_turn(session.lm.tokenizer, session.cfg.generation, [], question).prompt_ids)
+    for limit in (resident + prompt + 20, resident + prompt + 30):
+        session.chat(question, max_new_tokens=2, budget_tokens=limit)
+        plan = session.last_plan
+        recalled = sum(session.memory.event(e).length for e in plan.events or ())
+        assert plan.budget == limit - resident - prompt and recalled <= plan.budget
+        resident = stream.sink_len + session.tokens_ingested - stream.local_start  # the turn joined the window
+    session.chat(question, max_new_tokens=2, budget_tokens=10)  # less than the window itself: no memory
+    assert session.last_plan.budget == 0 and not session.last_plan.events

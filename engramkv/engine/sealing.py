@@ -65,6 +65,12 @@ class Stream:
     def n_tokens(self) -> int:
         return self.local_start + int(self.tail_tokens.numel())
 
+    def recent_surprise(self) -> tuple[list[float], list[int]]:
+        """Surprise of the local tokens, and where events start among them (indices into that list)."""
+        values = self.local_surprise.tolist()
+        starts = [b - self.local_start for b in self.boundaries]
+        return values, [0, *starts] if values else []
+
     def record(self, token_ids: torch.Tensor, surprise: torch.Tensor) -> None:
         """Append the tokens of a forward pass (T,) with their surprise (T,); find the boundaries they open."""
         to_sink = min(token_ids.shape[0], self.cfg.window.n_sink - self.sink_len)

@@ -58,16 +58,19 @@ class RecallPlan:
     hits: tuple[tuple[int, float], ...] = ()
 
 
-def answer_budget(cfg: RecallConfig) -> int:
-    """Memory tokens per layer while a prompt is read and answered: at most the reading budget."""
-    if cfg.answer_budget_tokens is None:
-        return cfg.budget_tokens
-    return min(cfg.budget_tokens, cfg.answer_budget_tokens)
+def answer_budget(cfg: RecallConfig, limit: int | None = None, context_tokens: int = 0) -> int:
+    """Memory tokens per layer while a prompt is read and answered: at most the reading budget, and, under
+    a limit on the answer's effective context, what the limit leaves after the `context_tokens` the answer
+    reads anyway (the resident window and the prompt)."""
+    budget = cfg.budget_tokens if cfg.answer_budget_tokens is None else min(cfg.budget_tokens, cfg.answer_budget_tokens)
+    if limit is not None:
+        budget = min(budget, max(0, limit - context_tokens))
+    return budget
 
 
-def layer_recall_plan(cfg: RecallConfig) -> RecallPlan:
-    """An answer without a question to match: each layer recalls by its own queries, within the answer budget."""
-    return RecallPlan(events=None, budget=answer_budget(cfg))
+def layer_recall_plan(budget: int) -> RecallPlan:
+    """An answer without a question to match: each layer recalls by its own queries, within `budget`."""
+    return RecallPlan(events=None, budget=budget)
 
 
 def plan_answer(
@@ -78,11 +81,11 @@ def plan_answer(
     resident_keys: Sequence[torch.Tensor],  # (Hkv, R, D) per summary layer: sinks and local window
     cfg: RecallConfig,
     prompt_start: int,  # stream index of the prompt's first token
+    budget: int,  # memory tokens per layer (`answer_budget`)
 ) -> RecallPlan:
     """The events an answer attends to: the best `answer_hits` matches and their neighbours in time, or
     nothing when the resident window matches the question better (memory would only crowd it: measured,
     a passkey in the window answered with 512 recalled filler tokens was lost, with none found)."""
-    budget = answer_budget(cfg)
     matches = match(memory, question_keys, layers, recalled_per_layer, cfg, cfg.answer_hits)
     if not matches:
         return RecallPlan(events=None, budget=budget)  # nothing to match on: the per-layer recall decides
