@@ -69,7 +69,8 @@ def test_the_event_holding_the_question_words_wins_over_a_long_near_miss():
 
 def test_answer_events_take_hits_then_neighbours_in_time_order():
     memory = _memory([torch.randn(HEADS, 10, DIM) for _ in range(20)])
-    assert answer_events(memory, [9, 3], budget=50, max_distance=8) == [3, 4, 8, 9, 10]  # 9, 3, then 10, 8, 4 by distance
+    # 9, 3, then 10, 8, 4 by distance
+    assert answer_events(memory, [9, 3], budget=50, max_distance=8) == [3, 4, 8, 9, 10]
     assert answer_events(memory, [9, 3], budget=5, max_distance=8) == []  # nothing fits
     assert answer_events(memory, [19], budget=30, max_distance=8) == [17, 18, 19]  # no event past the end
 
@@ -99,7 +100,8 @@ def test_recall_finds_the_event_that_holds_the_query():
 def test_a_chat_answer_attends_to_the_matched_events_in_every_layer(monkeypatch):
     session, planted, at = _planted_session()
     seen: list[list[list[int]]] = []
-    plans = _spy_on_plans(monkeypatch, session, lambda: seen.append([list(l.recalled_ids) for l in session.state.layers]))
+    layers = session.state.layers
+    plans = _spy_on_plans(monkeypatch, session, lambda: seen.append([list(layer.recalled_ids) for layer in layers]))
     session.chat(" ".join(map(str, planted)), max_new_tokens=4)
     hits = [r.event_id for r in session.last_recalled]
     assert len(hits) == 2
