@@ -148,7 +148,7 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
     lines = [f"# Long-context evaluation ({model_id})", "",
              f"{len(runs)} runs, {hours:.1f} hours of system time, from " + "; ".join(f"`{c}`" for c in commands)
              + ". Score: share of the expected answers in the reply, averaged over the samples of a cell "
-             "(n in brackets); `-`: not run.", ""]
+             "(in brackets: n; the 95% Wilson interval of the mean score over n); `-`: not run.", ""]
     notes = getattr(args, "notes", {})
     if "commit_of_file" in notes:  # a grid begun before runs recorded their commit
         lines += [f"Runs without a `commit` in {args.name}.json ran before commits were recorded; the file was "
@@ -160,7 +160,7 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
             cells = []
             for n in lengths:
                 scores = accuracy.get((task, system, n))
-                cells.append(f"{sum(scores) / len(scores):.2f} ({len(scores)})" if scores else "-")
+                cells.append(_cell(scores) if scores else "-")
             lines.append(f"| {system} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["## Speed and memory (means over all runs of a system at each length)", "",
@@ -234,6 +234,20 @@ def plot_accuracy(path: Path, tasks: list[str], systems: list[str], lengths: lis
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _cell(scores: list[float]) -> str:
+    """Mean score, n and its 95% Wilson interval (scores of 0..1 per sample, counted as successes)."""
+    n, mean = len(scores), sum(scores) / len(scores)
+    lo, hi = wilson(mean, n)
+    return f"{mean:.2f} ({n}; {lo:.2f}-{hi:.2f})"
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion p observed over n samples."""
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    scale = 1 + z * z / n
+    return max(0.0, (centre - half) / scale), min(1.0, (centre + half) / scale)
 
 
 def _mean(values: list[float]) -> float:

@@ -120,3 +120,12 @@ def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
     merged = json.loads(path.read_text())
     assert "seed 0: score" not in out and len(merged["runs"]) == len(runs)
     assert "other command" in merged["commands"] and "`other command`" in (tmp_path / "quick.md").read_text()
+
+
+def test_accuracy_cells_carry_n_and_a_wilson_interval():
+    import evaluate
+
+    assert evaluate._cell([1.0] * 5) == "1.00 (5; 0.57-1.00)"
+    lo, hi = evaluate.wilson(0.5, 20)
+    assert (round(lo, 3), round(hi, 3)) == (0.299, 0.701)  # the textbook 10/20 interval
+    assert evaluate.wilson(0.0, 1)[0] == 0.0 and evaluate.wilson(1.0, 1)[1] == 1.0
