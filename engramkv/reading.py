@@ -10,8 +10,9 @@ longer whole, the last commit stands.
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,9 +61,10 @@ class Reader:
                 self.commit(run.document if run is not None else None)
 
     def flush(self, plan: RecallPlan | None = None, run: IngestRun | None = None,
-              progress: ProgressCallback | None = None) -> None:
-        """Read everything queued: whole chunks first (a restored stream can hold many), then the rest."""
-        self.feed([], plan, run, progress)
+              progress: ProgressCallback | None = None, token_ids: Sequence[int] = ()) -> None:
+        """Queue `token_ids` and read everything queued: whole chunks first (a restored stream can hold
+        many), then the rest."""
+        self.feed(list(token_ids), plan, run, progress)
         if self.pending and not (run is not None and run.stop_requested):
             ids, self.pending = self.pending, []
             self._read(ids, plan, run, progress)
@@ -125,4 +127,4 @@ class Reader:
     def copy_from(self, other: Reader) -> None:
         """Continue `other`'s stream: its engine state, queue and chat (the event memory is the caller's)."""
         self.state.restore(other.state.snapshot())
-        self.pending, self.chat_history = list(other.pending), json.loads(json.dumps(other.chat_history))
+        self.pending, self.chat_history = list(other.pending), copy.deepcopy(other.chat_history)

@@ -194,8 +194,7 @@ class Session:
     def ingest_ids(self, token_ids: list[int], progress: ProgressCallback | None = None) -> None:
         """Read token ids into the stream (all of them: a short last chunk is processed too)."""
         with self._exclusive("ingest"):
-            self._reader.feed(token_ids, progress=progress)
-            self._reader.flush(progress=progress)
+            self._reader.flush(progress=progress, token_ids=token_ids)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt: str, max_new_tokens: int | None = None, question: str | None = None,
@@ -278,14 +277,12 @@ class Session:
             budget = question.answer_budget(recall, limit, context)
             plan = self.last_plan = question.layer_recall_plan(budget)
             if preamble_ids:
-                self._reader.feed(list(preamble_ids), plan)
-                self._reader.flush(plan)
+                self._reader.flush(plan, token_ids=preamble_ids)
             self.last_recalled = []
             if question_span is not None and recall.enabled and recall.question_match == "keys" and len(self.memory):
                 plan = self.last_plan = self._plan_answer(prompt_ids, question_span, budget)
                 self.last_recalled = recalled_events(self.memory, self.lm.tokenizer.decode, list(plan.hits))
-            self._reader.feed(prompt_ids, plan)
-            self._reader.flush(plan)
+            self._reader.flush(plan, token_ids=prompt_ids)
             if question_span is not None and plan.events is None:
                 self.last_recalled = _attended_events(self.state, self.memory, self.lm.tokenizer)
             yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),

@@ -124,8 +124,8 @@ class EpisodicState:
         if forward.probe:
             forward.keys[layer] = k
         else:
-            received = received_attention(q_rot, k_rot, scaling, self.cfg.representatives.stat_queries,
-                                          n_sink, split, n_mem)  # (Hkv, L + C)
+            s = min(n_new, self.cfg.representatives.stat_queries)  # the queries whose attention is counted
+            received = received_attention(q_rot, k_rot, scaling, self._mask(s, s), n_sink, split, n_mem)  # (Hkv, L + C)
             self._append(st, k, v, received)
         return out.transpose(1, 2)
 

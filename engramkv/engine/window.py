@@ -51,20 +51,18 @@ def received_attention(
     q_rot: torch.Tensor,  # (H, C, D) the new tokens' queries, rotated
     k_rot: torch.Tensor,  # (Hkv, N, D) the assembled window's keys, rotated
     scaling: float,
-    stat_queries: int,
+    causal: torch.Tensor,  # (s, s) bool lower-right causal mask of the last s queries (s <= C)
     n_sink: int,
     memory_at: int,
     n_memory: int,
 ) -> torch.Tensor:  # (Hkv, L + C)
-    """Attention the last `stat_queries` queries pay to each local and new token, summed over them and
-    over the query heads of each KV head (what picks an event's representatives)."""
-    h, c, d = q_rot.shape
-    hkv, n_keys = k_rot.shape[0], k_rot.shape[1]
-    s = min(c, stat_queries)
+    """Attention the last s queries pay to each local and new token, summed over them and over the query
+    heads of each KV head (what picks an event's representatives)."""
+    h, _, d = q_rot.shape
+    hkv, n_keys, s = k_rot.shape[0], k_rot.shape[1], causal.shape[0]
     probe = q_rot[:, -s:].float().reshape(hkv, (h // hkv) * s, d)  # (Hkv, G*s, D)
     logits = (probe @ k_rot.float().transpose(1, 2) * scaling).view(hkv, h // hkv, s, n_keys)  # (Hkv, G, s, N)
     # Causality only bites inside the last s keys (the probing queries themselves).
-    future = ~lower_right_causal_mask(s, s).to(q_rot.device)  # (s, s) strictly upper triangle
-    logits[..., n_keys - s :].masked_fill_(future, float("-inf"))
+    logits[..., n_keys - s :].masked_fill_(~causal, float("-inf"))
     weights = logits.softmax(dim=-1).sum(dim=(1, 2))  # (Hkv, N)
     return resident_columns(weights, n_sink, memory_at, n_memory).cpu()
