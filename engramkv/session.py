@@ -267,6 +267,8 @@ class Session:
         every layer attends to the events that match the question while the answer is read and written."""
         if not prompt_ids and self._reader.tokens == 0:
             raise EmptyInputError("nothing to continue: empty prompt and empty session")
+        if budget_tokens is not None and budget_tokens < 0:
+            raise InputError(f"budget_tokens must be 0 or more, got {budget_tokens}")
         generation, recall = self.cfg.generation, self.cfg.recall
         max_new = max_new_tokens if max_new_tokens is not None else generation.max_new_tokens
         stop = chat.stop_ids(self.lm.tokenizer)
@@ -279,7 +281,8 @@ class Session:
             if preamble_ids:
                 self._reader.flush(plan, token_ids=preamble_ids)
             self.last_recalled = []
-            if question_span is not None and recall.enabled and recall.question_match == "keys" and len(self.memory):
+            matching = recall.enabled and recall.question_match == "keys" and len(self.memory) and budget > 0
+            if question_span is not None and matching:  # (a zero budget reads no memory: nothing to match)
                 plan = self.last_plan = self._plan_answer(prompt_ids, question_span, budget)
                 self.last_recalled = recalled_events(self.memory, self.lm.tokenizer.decode, list(plan.hits))
             self._reader.flush(plan, token_ids=prompt_ids)

@@ -281,3 +281,5 @@ def test_a_context_limit_per_answer_bounds_what_it_reads():
         resident = stream.sink_len + session.tokens_ingested - stream.local_start  # the turn joined the window
     session.chat(question, max_new_tokens=2, budget_tokens=10)  # less than the window itself: no memory
     assert session.last_plan.budget == 0 and not session.last_plan.events
+    with pytest.raises(InputError, match="budget_tokens"):
+        session.chat(question, budget_tokens=-1)
