@@ -46,7 +46,8 @@ from engramkv.memory.events import (
     TierBytes,
     TransientMemory,
 )
-from engramkv.results import IngestProgress, IngestReport, RecalledEvent, SessionStats
+from engramkv.results import Answer, IngestProgress, IngestReport, RecalledEvent, SessionStats
+from engramkv.retrieval.allocation import Theta
 from engramkv.retrieval.question import RecallPlan
 from engramkv.session import Session
 from engramkv.spec import ModelSpec
@@ -55,6 +56,7 @@ from engramkv.storage.store import EventStore, NamespaceInfo
 
 __all__ = [
     "AllocationConfig",
+    "Answer",
     "ConfigError",
     "DocumentProgress",
     "EmptyInputError",
@@ -93,6 +95,7 @@ __all__ = [
     "StoreFullError",
     "StoreLockedError",
     "StoreMismatchError",
+    "Theta",
     "TierBytes",
     "TransientMemory",
     "WindowConfig",

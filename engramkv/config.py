@@ -168,13 +168,48 @@ class RecallConfig(_Strict):
 
 
 class AllocationConfig(_Strict):
-    """The recall budget model (`retrieval.allocation`): how it is fitted. Not used for answers yet."""
+    """The recall budget model (`retrieval.allocation`): the inference parameters theta an answer may take,
+    how they are chosen, and how the model is fitted (`engramkv calibrate`)."""
 
+    mode: Literal["fixed", "model"] = Field(
+        default="fixed",
+        description="'fixed': every answer takes the default theta (recall.answer_hits events, "
+        "recall.answer_budget_tokens, one round, no demonstrations, the whole window). 'model': the fitted "
+        "allocation model picks theta per question from the grid below, within the answer's context limit.",
+    )
+    coefficients: str | None = Field(
+        default=None,
+        description="JSON file of fitted coefficients (what `engramkv calibrate` writes); None: the ones shipped "
+        "for the model, if any (mode 'model' without either is a ConfigError).",
+    )
+    k: list[int] = Field(default=[1, 2, 4, 8], min_length=1, description="Grid: events pinned.")
+    s: list[int] = Field(default=[32, 64, 128, 256], min_length=1, description="Grid: memory tokens per hit.")
+    n: list[int] = Field(default=[1, 2], min_length=1, description="Grid: recall rounds (2: re-match with a draft).")
+    m: list[int] = Field(default=[0, 1, 2], min_length=1, description="Grid: worked demonstrations before the question.")
+    w: list[int] = Field(
+        default=[0, 128, 512, 1024], min_length=1,
+        description="Grid: tokens of local text before the prompt the answer attends to (the sinks always).",
+    )
+    draft_tokens: int = Field(default=12, ge=1, description="Length of the draft a second recall round matches with.")
+    i_doc: bool = Field(
+        default=True,
+        description="Measure i_doc (two extra probes of the prompt: with the best event, with none) as a feature.",
+    )
     eps: float = Field(default=0.01, gt=0, description="log(theta + eps): keeps a zero parameter finite (the paper's).")
     score_clip: float = Field(
         default=0.02, gt=0, lt=0.5, description="Scores are clipped to [clip, 1 - clip] before the logit of the fit."
     )
-    ridge: float = Field(default=1e-6, ge=0, description="Ridge term of the least-squares fit (numerical safety).")
+    ridge: float = Field(default=1e-3, ge=0, description="Ridge term of the least-squares fit (numerical safety).")
+
+    @model_validator(mode="after")
+    def _grid_values(self) -> AllocationConfig:
+        for name in ("k", "s", "n"):
+            if min(getattr(self, name)) < 1:
+                raise ConfigError(f"allocation.{name}: every value must be at least 1")
+        for name in ("m", "w"):
+            if min(getattr(self, name)) < 0:
+                raise ConfigError(f"allocation.{name}: values must be 0 or more")
+        return self
 
 
 class GenerationConfig(_Strict):

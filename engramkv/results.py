@@ -22,6 +22,16 @@ class RecalledEvent(BaseModel):
     time: dt.datetime | None = None  # when it was sealed into the store (stored sessions)
 
 
+class Answer(BaseModel):
+    """One answer of `Session.ask_many`: the reply, the inference parameters it took and what it read."""
+
+    question: str
+    text: str
+    theta: dict[str, int] | None  # k, s, n, m, w (`Theta`); None: not matched against memory
+    context_tokens: int  # effective context besides the reply: sinks, attended window, turn, memory
+    recalled: list[RecalledEvent]
+
+
 class IngestReport(BaseModel):
     """What one `Session.ingest` call did."""
 

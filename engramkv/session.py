@@ -9,6 +9,7 @@ no-ops), and answers: a question is probed against memory, turned into a `Recall
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
@@ -16,17 +17,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
-
-from engramkv import chat
+from engramkv import answering, chat
 from engramkv.config import EngineConfig
 from engramkv.documents import IngestRun, check_document, tokenize_pieces
-from engramkv.engine.state import EpisodicState, Probe
+from engramkv.engine.state import EpisodicState
 from engramkv.errors import ConfigError, EmptyInputError, EngramError, InputError, ReadOnlyError, SessionError
 from engramkv.memory.events import PersistentMemory
 from engramkv.reading import ProgressCallback, Reader
-from engramkv.results import IngestReport, RecalledEvent, SessionStats, recalled_events
+from engramkv.results import Answer, IngestReport, RecalledEvent, SessionStats, recalled_events
 from engramkv.retrieval import question
+from engramkv.retrieval.allocation import Theta
 from engramkv.retrieval.question import RecallPlan
 from engramkv.spec import ModelSpec
 
@@ -67,6 +67,8 @@ class Session:
         self.last_plan: RecallPlan | None = None  # how the last answer read memory (its events and budget)
         self._busy = threading.Lock()
         self._closed = False
+        self._answerer = answering.Answerer(self.state, memory, cfg, lm.tokenizer,
+                                            answering.allocation_model(cfg.allocation, lm.spec.model_id))
         self._reader = Reader(self.state, memory, cfg)  # restores the stream from the memory's last commit
 
     # ------------------------------------------------------------------ persistence
@@ -125,12 +127,7 @@ class Session:
         answer side (recall budgets, layouts, generation) without reading the stream twice."""
         config = config or self.cfg
         check_span(config, self.lm.spec)
-        mine, theirs = self.cfg.recall, config.recall
-        if config.stream_settings() != self.cfg.stream_settings() or (mine.summary_layers, mine.memory_dtype) != (
-            theirs.summary_layers, theirs.memory_dtype
-        ):
-            raise ConfigError("a fork continues this stream: its window, segmentation, refinement and "
-                              "representative settings, recall.summary_layers and recall.memory_dtype must be the same")
+        _check_fork(self.cfg, config)
         with self._exclusive("fork"):
             if self.memory.persistent:
                 raise SessionError("fork copies an in-RAM stream; open a stored one again (read_only=True) instead")
@@ -198,24 +195,26 @@ class Session:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt: str, max_new_tokens: int | None = None, question: str | None = None,
-                 stream: bool = False, budget_tokens: int | None = None) -> Any:
+                 stream: bool = False, budget_tokens: int | None = None, theta: Theta | None = None) -> Any:
         """Raw continuation of everything ingested, then `prompt`; the text, or an iterator of pieces if `stream`.
 
         `question`: the part of `prompt` that asks (its last occurrence), matched against memory the
         way `chat` matches a message (`recall.question_match`); e.g. `prompt="\n\nWhat is the pass
         key? The pass key is"`, `question="What is the pass key?"`. Without it, every layer recalls by
         its own queries. `budget_tokens`: the most context the answer reads (resident window + prompt +
-        recalled tokens; default `recall.answer_context_tokens`), as `chat` takes it.
+        recalled tokens; default `recall.answer_context_tokens`) and `theta` (the inference parameters), as
+        `chat` takes them.
         """
         tokenizer = self.lm.tokenizer
         if question is None:
-            pieces = self._reply(chat.encode(tokenizer, prompt), max_new_tokens, budget_tokens=budget_tokens)
+            pieces = self._reply(chat.encode(tokenizer, prompt), max_new_tokens, budget_tokens=budget_tokens,
+                                 theta=theta)
         else:
             at = prompt.rfind(question) if isinstance(question, str) and question.strip() else -1
             if at < 0:
                 raise InputError("question must be a non-blank part of prompt")
             ids, span = chat.encode_around(tokenizer, prompt[:at], question, prompt[at + len(question) :])
-            pieces = self._reply(ids, max_new_tokens, question_span=span, budget_tokens=budget_tokens)
+            pieces = self._reply(ids, max_new_tokens, question_span=span, budget_tokens=budget_tokens, theta=theta)
         return pieces if stream else "".join(pieces)
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> list[int]:
@@ -223,26 +222,29 @@ class Session:
         return list(self._generate(prompt_ids, max_new_tokens))
 
     def chat(self, message: str, stream: bool = False, max_new_tokens: int | None = None,
-             budget_tokens: int | None = None) -> Any:
+             budget_tokens: int | None = None, theta: Theta | None = None) -> Any:
         """One chat turn in `generation.chat_format`, answered from memory; the reply, or an iterator of pieces
         if `stream`. The turn joins the stream (and, in a store, is committed): conversation is memory too.
 
         `budget_tokens`: the most context the answer reads, its resident window, the turn and the recalled
         events together (default `recall.answer_context_tokens`; None: only `recall.answer_budget_tokens`
-        bounds the recalled part). `last_plan` tells what the answer read.
+        bounds the recalled part). `theta`: the inference parameters (`Theta`: events, tokens per event,
+        recall rounds, demonstrations, window tokens); default: the fixed default, or the allocation model's
+        choice within the budget (`allocation.mode = "model"`). `last_plan` tells what the answer read.
         """
         if not isinstance(message, str):
             raise InputError(f"chat takes a str message, got {type(message).__name__}")
         if not message.strip():
             raise EmptyInputError("empty chat message")
-        pieces = self._chat_pieces(message, max_new_tokens, budget_tokens)
+        pieces = self._chat_pieces(message, max_new_tokens, budget_tokens, theta)
         return pieces if stream else "".join(pieces)
 
-    def _chat_pieces(self, message: str, max_new_tokens: int | None, budget_tokens: int | None) -> Iterator[str]:
+    def _chat_pieces(self, message: str, max_new_tokens: int | None, budget_tokens: int | None,
+                     theta: Theta | None) -> Iterator[str]:
         turn = chat.chat_turn(self.lm.tokenizer, self.cfg.generation, self._reader.chat_history, message)
         reply: list[str] = []
         for piece in self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text,
-                                 turn.question_span, budget_tokens):
+                                 turn.question_span, budget_tokens, theta):
             reply.append(piece)
             yield piece
         self._reader.chat_history += [{"role": "user", "content": message},
@@ -253,50 +255,61 @@ class Session:
 
     def _reply(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                stop_text: str | None = None, question_span: tuple[int, int] | None = None,
-               budget_tokens: int | None = None) -> Iterator[str]:
-        tokens = self._generate(prompt_ids, max_new_tokens, preamble_ids, question_span, budget_tokens)
+               budget_tokens: int | None = None, theta: Theta | None = None) -> Iterator[str]:
+        tokens = self._generate(prompt_ids, max_new_tokens, preamble_ids, question_span, budget_tokens, theta)
         try:
             yield from chat.stream_text(self.lm.tokenizer, tokens, stop_text)
         finally:
             tokens.close()  # releases the session even when the caller stops early
 
     def _generate(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
-                  question_span: tuple[int, int] | None = None,
-                  budget_tokens: int | None = None) -> Generator[int, None, None]:
+                  question_span: tuple[int, int] | None = None, budget_tokens: int | None = None,
+                  theta: Theta | None = None) -> Generator[int, None, None]:
         """With `question_span` (the question's tokens within `prompt_ids`) and question_match = "keys",
-        every layer attends to the events that match the question while the answer is read and written."""
+        every layer attends to the events that match the question while the answer is read and written,
+        under inference parameters `theta` (default: the allocation's choice, `answering`)."""
         if not prompt_ids and self._reader.tokens == 0:
             raise EmptyInputError("nothing to continue: empty prompt and empty session")
         if budget_tokens is not None and budget_tokens < 0:
             raise InputError(f"budget_tokens must be 0 or more, got {budget_tokens}")
+        if theta is not None:
+            self._answerer.check(theta)
         generation, recall = self.cfg.generation, self.cfg.recall
         max_new = max_new_tokens if max_new_tokens is not None else generation.max_new_tokens
         stop = chat.stop_ids(self.lm.tokenizer)
         with self._exclusive("generate"):
-            stream = self.state.stream  # what the answer reads anyway: the resident window and the turn
-            context = stream.sink_len + self._reader.tokens - stream.local_start + len(preamble_ids) + len(prompt_ids)
             limit = budget_tokens if budget_tokens is not None else recall.answer_context_tokens
-            budget = question.answer_budget(recall, limit, context)
-            plan = self.last_plan = question.layer_recall_plan(budget)
-            if preamble_ids:
-                self._reader.flush(plan, token_ids=preamble_ids)
-            self.last_recalled = []
-            matching = recall.enabled and recall.question_match == "keys" and len(self.memory) and budget > 0
-            if question_span is not None and matching:  # (a zero budget reads no memory: nothing to match)
-                plan = self.last_plan = self._plan_answer(prompt_ids, question_span, budget)
-                self.last_recalled = recalled_events(self.memory, self.lm.tokenizer.decode, list(plan.hits))
+            matching = recall.enabled and recall.question_match == "keys" and len(self.memory) > 0
+            plan = self.last_plan = self._answerer.read_turn(self._reader, prompt_ids, preamble_ids,
+                                                             question_span if matching else None, limit, theta)
+            self.last_recalled = recalled_events(self.memory, self.lm.tokenizer.decode, list(plan.hits))
             self._reader.flush(plan, token_ids=prompt_ids)
             if question_span is not None and plan.events is None:
                 self.last_recalled = _attended_events(self.state, self.memory, self.lm.tokenizer)
             yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),
                                    max_new, stop, generation)
 
-    def _plan_answer(self, prompt_ids: list[int], span: tuple[int, int], budget: int) -> RecallPlan:
-        self._reader.flush()  # the probe reads the prompt after everything queued
-        probe, question_keys = _probe(self.state, prompt_ids, span)
-        layers = self.state.summary_layers
-        return question.plan_answer(self.memory, question_keys, layers, probe.recalled,
-                                    self.state.resident_keys(layers), self.cfg.recall, self.state.n_tokens, budget)
+    def ask_many(self, questions: Sequence[str], total_tokens: int, max_new_tokens: int | None = None) -> list[Answer]:
+        """Answer `questions` as chat turns, in order, their effective context (`RecallPlan.context_tokens`)
+        together at most `total_tokens`: with the allocation model, each step of budget goes to the question
+        with the best predicted gain per token; else each takes the default theta. A total too small for
+        every question raises `InputError` before anything is read."""
+        if isinstance(questions, str) or not questions or not all(isinstance(q, str) and q.strip() for q in questions):
+            raise InputError("ask_many takes a non-empty list of non-blank questions")
+        if total_tokens < 0:
+            raise InputError(f"total_tokens must be 0 or more, got {total_tokens}")
+        recall = self.cfg.recall
+        with self._exclusive("ask_many"):
+            self._reader.flush()
+            matching = recall.enabled and recall.question_match == "keys" and len(self.memory) > 0
+            chosen = answering.allocate_turns(self._answerer, self._reader, questions, total_tokens, matching)
+        answers = []
+        for message, (theta, limit) in zip(questions, chosen):
+            text = self.chat(message, max_new_tokens=max_new_tokens, budget_tokens=limit, theta=theta)
+            plan = self.last_plan
+            answers.append(Answer(question=message, text=text, theta=plan.theta and dataclasses.asdict(plan.theta),
+                                  context_tokens=plan.context_tokens, recalled=self.last_recalled))
+        return answers
 
     # ------------------------------------------------------------------ recall
     def recall(self, query: str, k: int = 5) -> list[RecalledEvent]:
@@ -315,12 +328,7 @@ class Session:
             if len(self.memory) == 0:
                 return []
             self._reader.flush()
-            probe, question_keys = _probe(self.state, ids, (0, len(ids)))
-            if self.cfg.recall.question_match == "keys":
-                hits = question.match(self.memory, question_keys, self.state.summary_layers, probe.recalled,
-                                      self.cfg.recall, k)
-            else:
-                hits = question.match_by_queries(self.memory, probe.queries, k)
+            hits = self._answerer.recall(ids, k)
         return recalled_events(self.memory, self.lm.tokenizer.decode, hits)
 
     # ------------------------------------------------------------------ introspection
@@ -341,21 +349,25 @@ class Session:
         """Tokens, events, documents, memory tiers and disk use of this session's stream."""
         if self._closed:
             raise SessionError("cannot report stats: the session is closed")
-        memory, stream, tiers = self.memory, self.state.stream, self.memory.tier_bytes()
-        return SessionStats(
-            model=self.lm.spec.model_id, tokens=stream.n_tokens, queued_tokens=len(self._reader.pending),
-            events=self.events,
-            resident_tokens=stream.sink_len + int(stream.tail_tokens.numel()),
-            documents=[d.name for d in memory.documents()], store=memory.location, namespace=memory.namespace,
-            codec=memory.codec, hot_bytes=tiers.hot, warm_bytes=tiers.warm, disk_bytes=tiers.disk,
-            committed_tokens=memory.committed_tokens,
-        )
+        return _stats(self.lm.spec.model_id, self.memory, self.state, self._reader)
 
 
-def _probe(state: EpisodicState, ids: list[int], span: tuple[int, int]) -> tuple[Probe, torch.Tensor]:
-    """The probe of `ids` after the stream, and the keys of ids[span] at the summary layers (S, Hkv, C, D)."""
-    probe = state.probe(torch.tensor(ids, dtype=torch.long))
-    return probe, torch.stack([probe.keys[layer][:, span[0] : span[1]] for layer in state.summary_layers])
+def _stats(model_id: str, memory: PersistentMemory, state: EpisodicState, reader: Reader) -> SessionStats:
+    stream, tiers = state.stream, memory.tier_bytes()
+    return SessionStats(
+        model=model_id, tokens=stream.n_tokens, queued_tokens=len(reader.pending), events=len(memory),
+        resident_tokens=stream.sink_len + int(stream.tail_tokens.numel()),
+        documents=[d.name for d in memory.documents()], store=memory.location, namespace=memory.namespace,
+        codec=memory.codec, hot_bytes=tiers.hot, warm_bytes=tiers.warm, disk_bytes=tiers.disk,
+        committed_tokens=memory.committed_tokens,
+    )
+
+
+def _check_fork(mine: EngineConfig, theirs: EngineConfig) -> None:
+    if mine.stream_settings() != theirs.stream_settings() or (
+        mine.recall.summary_layers, mine.recall.memory_dtype) != (theirs.recall.summary_layers, theirs.recall.memory_dtype):
+        raise ConfigError("a fork continues this stream: its window, segmentation, refinement and "
+                          "representative settings, recall.summary_layers and recall.memory_dtype must be the same")
 
 
 def _attended_events(state: EpisodicState, memory: PersistentMemory, tokenizer: Any) -> list[RecalledEvent]:

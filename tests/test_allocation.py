@@ -22,7 +22,7 @@ GRID = [Theta(*values) for values in itertools.product([1, 2, 4, 8], [32, 128], 
 
 
 def _cost(theta):
-    return cost(theta, prompt_tokens=20, demonstration_tokens=60)
+    return cost(theta, fixed_tokens=20, demonstration_tokens=60)
 
 
 def _known_model():

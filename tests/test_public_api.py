@@ -8,7 +8,7 @@ EXPORTED = {
     # what calls return or take
     "IngestReport", "IngestProgress", "RecalledEvent", "SessionStats", "RecallPlan", "ModelSpec",
     "Event", "EventMemory", "PersistentMemory", "TransientMemory", "InMemoryEventMemory", "DocumentProgress",
-    "TierBytes",
+    "TierBytes", "Theta", "Answer",
     # the config tree
     "EngineConfig", "AllocationConfig", "ModelConfig", "WindowConfig", "SegmentationConfig", "RefinementConfig", "RepresentativeConfig",
     "RecallConfig", "GenerationConfig", "StoreConfig", "IndexConfig",

@@ -178,7 +178,7 @@ def test_a_qa_reply_ends_at_a_blank_line(monkeypatch):
     pieces = {1: "\n", 2: "\n", 3: " Marj", 4: "atta", 5: ".\n", 6: "\nQuestion", 7: " more"}
     monkeypatch.setattr(lm.tokenizer, "decode", lambda ids, skip_special_tokens=False: "".join(pieces[i] for i in ids))
 
-    def fake_generate(prompt_ids, max_new_tokens, stop_ids, preamble_ids=(), question_span=None):
+    def fake_generate(prompt_ids, max_new_tokens, *rest):
         yield from [1, 2, 3, 4, 5, 6, 7]
 
     monkeypatch.setattr(session, "_generate", fake_generate)
@@ -193,7 +193,7 @@ def test_a_blank_line_after_a_colon_does_not_end_a_qa_reply(monkeypatch):
     pieces = {1: " The numbers are", 2: ":\n", 3: "\n1. 42", 4: "\n2. 7\n", 5: "\nQuestion", 6: " more"}
     monkeypatch.setattr(lm.tokenizer, "decode", lambda ids, skip_special_tokens=False: "".join(pieces[i] for i in ids))
 
-    def fake_generate(prompt_ids, max_new_tokens, stop_ids, preamble_ids=(), question_span=None):
+    def fake_generate(prompt_ids, max_new_tokens, *rest):
         yield from [1, 2, 3, 4, 5, 6]
 
     monkeypatch.setattr(session, "_generate", fake_generate)

@@ -51,6 +51,7 @@ class Probe:
     queries: list[torch.Tensor]  # (Hkv * D,) each: the recall query of the step
     keys: list[torch.Tensor]  # (Hkv, C, D) each: the probed tokens' pre-RoPE keys
     recalled: list[list[int]]  # the events each layer's query recall chose for the probed tokens
+    last_logits: torch.Tensor  # (V,) what the probed tokens predict next
 
 
 @dataclass
@@ -100,15 +101,21 @@ class EpisodicState:
         q, k, v = query[0], key[0], value[0]  # (H, C, D), (Hkv, C, D), (Hkv, C, D)
         n_new = q.shape[1]
         mem_k, mem_v = self._recalled(layer, st, q, forward)  # (Hkv, M, D) each
-        n_sink, n_mem, n_local = st.sink_k.shape[1], mem_k.shape[1], st.local_k.shape[1]
-        # Memory goes before the local window, or (a plan with memory_at) between the local text read
-        # before the prompt and the prompt: `split` local tokens precede it.
+        # A plan may skip the oldest `skip` local tokens (its window_from). Memory goes before the local
+        # window, or (a plan with memory_at) between the local text read before the prompt and the
+        # prompt: `split` of the attended local tokens precede it.
         plan = forward.plan
-        split = 0
+        skip = split = 0
+        n_local = st.local_k.shape[1]
+        if plan is not None and plan.window_from is not None:
+            skip = min(max(plan.window_from - self.stream.local_start, 0), n_local)
         if plan is not None and plan.memory_at is not None:
-            split = min(max(plan.memory_at - self.stream.local_start, 0), n_local)
-        keys = assemble(st.sink_k, st.local_k, mem_k, k, split)  # (Hkv, N, D)
-        values = assemble(st.sink_v, st.local_v, mem_v, v, split)  # (Hkv, N, D)
+            split = min(max(plan.memory_at - self.stream.local_start, 0), n_local) - skip
+        split = max(split, 0)
+        local_k, local_v = st.local_k[:, skip:], st.local_v[:, skip:]  # (Hkv, L, D) each
+        n_sink, n_mem, n_local = st.sink_k.shape[1], mem_k.shape[1], n_local - skip
+        keys = assemble(st.sink_k, local_k, mem_k, k, split)  # (Hkv, N, D)
+        values = assemble(st.sink_v, local_v, mem_v, v, split)  # (Hkv, N, D)
         n_keys = keys.shape[1]
 
         positions = window_positions(n_sink, n_mem, n_local, n_new, self.cfg.recall.positions)  # (N,)
@@ -126,6 +133,8 @@ class EpisodicState:
         else:
             s = min(n_new, self.cfg.representatives.stat_queries)  # the queries whose attention is counted
             received = received_attention(q_rot, k_rot, scaling, self._mask(s, s), n_sink, split, n_mem)  # (Hkv, L + C)
+            if skip:  # the skipped tokens received nothing from these queries
+                received = torch.cat([received.new_zeros(received.shape[0], skip), received], dim=1)
             self._append(st, k, v, received)
         return out.transpose(1, 2)
 
@@ -236,14 +245,14 @@ class EpisodicState:
         """Run `token_ids` (T,) without changing the stream; returns each layer's recall query and keys."""
         saved = [(st.recalled_ids, st.recalled_kv) for st in self.layers]
         forward = self._pass(plan, refresh=True, probe=True)
-        hf.forward(self.model, token_ids[None].to(self.device), forward)
+        logits = hf.forward(self.model, token_ids[None].to(self.device), forward, logits_to_keep=1).cpu()
         recalled = [list(st.recalled_ids) for st in self.layers]
         for st, (ids, kv) in zip(self.layers, saved):
             st.recalled_ids, st.recalled_kv = ids, kv
         empty = torch.zeros(self.spec.num_kv_heads * self.spec.head_dim)
         queries = [query if query is not None else empty for query in forward.queries]
         keys = [key.float().cpu() for key in forward.keys if key is not None]
-        return Probe(queries, keys, recalled)
+        return Probe(queries, keys, recalled, logits[-1])
 
     def resident_keys(self, layers: list[int]) -> list[torch.Tensor]:
         """The resident window's keys (sinks, then local tokens) of each of `layers`: (Hkv, R, D) each."""

@@ -9,19 +9,20 @@ is answered (match-score features, `informativeness`). The model, with eps = `Al
 
 B generalises the paper's elementwise `b * i` to features that are not one per parameter (B diagonal
 with F = P is the paper's form). It is linear in its coefficients, so it is fitted by least squares
-on logit(P), P clipped away from 0 and 1. Cost of theta = attended window + k * s * n + prompt +
+on logit(P), P clipped away from 0 and 1. Cost of theta = sinks + attended window + k * s * n + prompt +
 demonstrations (effective context tokens). `choose` takes the best predicted theta within a limit;
 `allocate` shares one limit among many questions, each step of budget going to the question with the
 best predicted gain per token.
 
-Not wired into answering yet: the coefficients must first be fitted on calibration runs and beat the
-fixed default on held-out data (issue 17).
+`answering` uses it when `AllocationConfig.mode` is "model"; the coefficients come from `engramkv
+calibrate` (`calibration`), and those fitted for the embedded model ship in the package.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from pydantic import BaseModel
@@ -47,9 +48,14 @@ class Theta:
         return torch.tensor([self.k, self.s, self.n, self.m, self.w], dtype=torch.float64)
 
 
-def cost(theta: Theta, prompt_tokens: int, demonstration_tokens: int) -> int:
-    """Effective context tokens of an answer under `theta`."""
-    return theta.w + theta.k * theta.s * theta.n + prompt_tokens + theta.m * demonstration_tokens
+def cost(theta: Theta, fixed_tokens: int, demonstration_tokens: int, window_cap: int | None = None,
+         memory_cap: int | None = None) -> int:
+    """Effective context tokens of an answer under `theta`: the attended window (at most `window_cap`, the
+    local text there is), the memory read over all rounds (at most `memory_cap` in all), what every answer
+    reads (`fixed_tokens`: the sinks and the prompt) and the demonstrations."""
+    window = theta.w if window_cap is None else min(theta.w, window_cap)
+    memory = theta.k * theta.s * theta.n if memory_cap is None else min(theta.k * theta.s * theta.n, memory_cap)
+    return window + memory + fixed_tokens + theta.m * demonstration_tokens
 
 
 def informativeness(scores: torch.Tensor, window_margin: float, i_doc: float) -> torch.Tensor:  # (F,)
@@ -69,21 +75,27 @@ def informativeness(scores: torch.Tensor, window_margin: float, i_doc: float) ->
 
 
 class AllocationModel(BaseModel):
-    """Fitted coefficients: a (P,), B (P, F) as nested lists, c; what `engramkv calibrate` writes as JSON."""
+    """Fitted coefficients: a (P,), B (P, F) as nested lists, c; what `engramkv calibrate` writes as JSON.
+
+    link "logit" is the paper's model; "linear" (the ablation) fits the score itself, clamped to [0, 1].
+    """
 
     a: list[float]
     b: list[list[float]]
     c: float
     eps: float
+    link: Literal["logit", "linear"] = "logit"
 
     def logit(self, theta: Theta, info: torch.Tensor) -> float:
+        """The linear predictor (the logit of the score under the "logit" link)."""
         a, b = torch.tensor(self.a, dtype=torch.float64), torch.tensor(self.b, dtype=torch.float64)
         slope = a + b @ info.double()  # (P,)
         return float(slope @ torch.log(theta.vector() + self.eps) + self.c)
 
     def predict(self, theta: Theta, info: torch.Tensor) -> float:
-        """Predicted score in (0, 1)."""
-        return float(torch.sigmoid(torch.tensor(self.logit(theta, info))))
+        """Predicted score in [0, 1]."""
+        z = self.logit(theta, info)
+        return float(torch.sigmoid(torch.tensor(z))) if self.link == "logit" else min(1.0, max(0.0, z))
 
 
 def design_row(theta: Theta, info: torch.Tensor, eps: float, with_interaction: bool = True) -> torch.Tensor:
@@ -97,19 +109,35 @@ def design_row(theta: Theta, info: torch.Tensor, eps: float, with_interaction: b
 
 
 def fit(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence[float], cfg: AllocationConfig,
-        with_interaction: bool = True) -> AllocationModel:
-    """Least squares on logit(clip(score)); without the interaction B is zero (the paper's ablation)."""
+        with_interaction: bool = True, link: Literal["logit", "linear"] = "logit") -> AllocationModel:
+    """Least squares on logit(clip(score)) (or on the score, link "linear"); without the interaction B is
+    zero (the paper's ablation)."""
     if not thetas or not len(thetas) == len(infos) == len(scores):
         raise InputError("fit needs as many thetas, feature vectors and scores, at least one")
     x = torch.stack([design_row(t, i, cfg.eps, with_interaction) for t, i in zip(thetas, infos)])  # (N, R)
-    p = torch.tensor(scores, dtype=torch.float64).clamp(cfg.score_clip, 1 - cfg.score_clip)
-    y = torch.log(p / (1 - p))  # (N,)
+    p = torch.tensor(scores, dtype=torch.float64)
+    if link == "logit":
+        p = p.clamp(cfg.score_clip, 1 - cfg.score_clip)
+        y = torch.log(p / (1 - p))  # (N,)
+    else:
+        y = p
     ridge = cfg.ridge * torch.eye(x.shape[1], dtype=torch.float64)
+    ridge[-1, -1] = 0.0  # the intercept is not shrunk
     coef = torch.linalg.solve(x.T @ x + ridge, x.T @ y)  # (R,)
     n_params, n_features = len(PARAMETERS), infos[0].numel()
     a = coef[:n_params]
     b = coef[n_params:-1].view(n_params, n_features) if with_interaction else torch.zeros(n_params, n_features)
-    return AllocationModel(a=a.tolist(), b=b.tolist(), c=float(coef[-1]), eps=cfg.eps)
+    return AllocationModel(a=a.tolist(), b=b.tolist(), c=float(coef[-1]), eps=cfg.eps, link=link)
+
+
+def r_squared(model: AllocationModel, thetas: Sequence[Theta], infos: Sequence[torch.Tensor],
+              scores: Sequence[float]) -> tuple[float, float]:
+    """(R^2, MSE) of the model's predicted scores against observed ones (on the score scale)."""
+    predicted = torch.tensor([model.predict(t, i) for t, i in zip(thetas, infos)], dtype=torch.float64)
+    observed = torch.tensor(scores, dtype=torch.float64)
+    mse = float(((predicted - observed) ** 2).mean())
+    variance = float(((observed - observed.mean()) ** 2).mean())
+    return (1.0 - mse / variance if variance > 0 else float("nan")), mse
 
 
 def choose(model: AllocationModel, grid: Sequence[Theta], info: torch.Tensor, limit: int,

@@ -23,8 +23,9 @@ So a question is matched in two steps:
 The best `answer_hits` events, with their temporal neighbours up to the answer budget, are then
 what every layer attends to while the answer is written, unless the resident window (sinks and local
 text) matches the question better by more than `window_margin`: then the answer recalls nothing.
-`plan_answer` makes that decision and returns it as a `RecallPlan`, which the engine's steps take
-as an argument.
+`assess` matches a question (`QuestionMatch`); `plan_answer` turns a match into a `RecallPlan`, which
+the engine's steps take as an argument. How many hits, how many tokens and how much of the window
+an answer takes (theta) is `answering`'s choice, after `retrieval.allocation`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from engramkv.config import RecallConfig
 from engramkv.memory.events import EventMemory
 from engramkv.memory.summary import key_summary
+from engramkv.retrieval.allocation import Theta
 from engramkv.retrieval.recall import add_neighbours
 
 
@@ -49,13 +51,30 @@ class RecallPlan:
     events: the events every layer attends to (chronological); `None` lets each layer recall by its own
     queries within `budget`, `()` recalls nothing. memory_at: the stream index the recalled events sit
     before (the prompt's start, for `answer_layout = "before_question"`), or `None` for before the local
-    window. hits: the matched events with their scores, best first (what an answer reports).
+    window. window_from: the stream index of the oldest local token attended (older ones are skipped;
+    `None`: the whole local window). hits: the matched events with their scores, best first (what an
+    answer reports). theta, features and context_tokens: the inference parameters the answer took, the
+    question's informativeness (`retrieval.allocation`) and the tokens it attends to besides its reply,
+    for reports.
     """
 
     events: tuple[int, ...] | None
     budget: int
     memory_at: int | None = None
     hits: tuple[tuple[int, float], ...] = ()
+    window_from: int | None = None
+    theta: Theta | None = None
+    features: tuple[float, ...] = ()
+    context_tokens: int = 0  # effective context of the answer: sinks, attended window, turn, memory
+
+
+@dataclass(frozen=True)
+class QuestionMatch:
+    """A question matched against memory: its hits, every candidate's score, and the resident window's."""
+
+    hits: tuple[tuple[int, float], ...]  # (event id, score), best first, no two within match_neighbours
+    scores: tuple[float, ...]  # the span score of every re-ranked candidate (what informativeness reads)
+    window: float  # the best piece of the resident window, scored the same way (-inf: nothing to compare)
 
 
 def answer_budget(cfg: RecallConfig, limit: int | None = None, context_tokens: int = 0) -> int:
@@ -73,29 +92,44 @@ def layer_recall_plan(budget: int) -> RecallPlan:
     return RecallPlan(events=None, budget=budget)
 
 
-def plan_answer(
+def assess(
     memory: EventMemory,
     question_keys: torch.Tensor,  # (S, Hkv, C, D) the question's pre-RoPE keys at the summary layers
     layers: Sequence[int],  # the summary layers
     recalled_per_layer: Iterable[list[int]],  # what each layer's query recall chose for the probed prompt
     resident_keys: Sequence[torch.Tensor],  # (Hkv, R, D) per summary layer: sinks and local window
     cfg: RecallConfig,
+    k: int,  # hits to keep
+) -> QuestionMatch:
+    """The question's best `k` hits, the scores of all candidates, and what the resident window offers
+    (cut into pieces as long as the spans of the first `answer_hits` hits, whatever `k`)."""
+    voted = [event_id for event_id, _ in votes(recalled_per_layer)[: cfg.rerank_candidates]]
+    hits, scores = rank_question(memory, question_keys, layers, k, cfg.rerank_candidates, also=voted,
+                                 neighbours=cfg.match_neighbours)
+    window = window_score(memory, hits[: cfg.answer_hits], resident_keys, question_keys, cfg.match_neighbours)
+    return QuestionMatch(tuple(hits), tuple(scores), window)
+
+
+def plan_answer(
+    memory: EventMemory,
+    matched: QuestionMatch,
+    cfg: RecallConfig,
     prompt_start: int,  # stream index of the prompt's first token
-    budget: int,  # memory tokens per layer (`answer_budget`)
+    budget: int,  # memory tokens per layer (`answer_budget`, or k * s * n of a theta)
+    k: int | None = None,  # hits pinned (default cfg.answer_hits)
+    window_from: int | None = None,  # the oldest local token attended (None: the whole window)
 ) -> RecallPlan:
-    """The events an answer attends to: the best `answer_hits` matches and their neighbours in time, or
-    nothing when the resident window matches the question better (memory would only crowd it: measured,
-    a passkey in the window answered with 512 recalled filler tokens was lost, with none found)."""
-    matches = match(memory, question_keys, layers, recalled_per_layer, cfg, cfg.answer_hits)
-    if not matches:
-        return RecallPlan(events=None, budget=budget)  # nothing to match on: the per-layer recall decides
-    if window_score(memory, matches, resident_keys, question_keys, cfg.match_neighbours) > (
-        matches[0][1] + cfg.window_margin
-    ):
+    """The events an answer attends to: the best `k` hits and their neighbours in time, or nothing when the
+    whole resident window is attended and matches the question better (memory would only crowd it:
+    measured, a passkey in the window answered with 512 recalled filler tokens was lost, with none found)."""
+    hits = matched.hits[: cfg.answer_hits if k is None else k]
+    if not hits:
+        return RecallPlan(events=None, budget=budget, window_from=window_from)  # the per-layer recall decides
+    if window_from is None and matched.window > hits[0][1] + cfg.window_margin:
         return RecallPlan(events=(), budget=budget)
-    events = answer_events(memory, [event_id for event_id, _ in matches], budget, cfg.max_neighbour_distance)
+    events = answer_events(memory, [event_id for event_id, _ in hits], budget, cfg.max_neighbour_distance)
     before_question = cfg.answer_layout == "before_question" and cfg.positions == "contiguous"
-    return RecallPlan(tuple(events), budget, prompt_start if before_question else None, tuple(matches))
+    return RecallPlan(tuple(events), budget, prompt_start if before_question else None, tuple(hits), window_from)
 
 
 def match(
@@ -208,8 +242,21 @@ def match_question(
     `also`: more candidates for the re-ranking (the session passes the events the reading queries
     recall for the question): a summary search alone can be crowded out by many near-identical events.
     """
+    return rank_question(memory, question_keys, layers, k, candidates, also, neighbours)[0]
+
+
+def rank_question(
+    memory: EventMemory,
+    question_keys: torch.Tensor,  # (S, Hkv, C, D)
+    layers: Sequence[int],
+    k: int,
+    candidates: int,
+    also: Sequence[int] = (),
+    neighbours: int = 0,
+) -> tuple[list[tuple[int, float]], list[float]]:
+    """`match_question`'s hits, and the span scores of all the candidates it re-ranked."""
     if len(memory) == 0 or question_keys.shape[2] == 0:
-        return []
+        return [], []
     ids, _ = memory.search_keys(key_summary(question_keys), max(k, candidates))
     ids = list(dict.fromkeys([*ids, *also]))
     scores, own_scores = span_scores(memory, ids, question_keys, layers, neighbours)
@@ -221,7 +268,7 @@ def match_question(
             hits.append((hit, score))
         if len(hits) == k:
             break
-    return hits
+    return hits, scores
 
 
 def answer_events(memory: EventMemory, hits: Sequence[int], budget: int, max_distance: int) -> list[int]:

@@ -1,0 +1,293 @@
+"""Answering from memory: a question's match, its informativeness, the inference parameters theta, and
+the `RecallPlan` the answer is read and written with.
+
+    assess   probe the prompt after the stream (the stream does not change): the question's keys and
+             the events each layer's queries recall; match the question (`retrieval.question.assess`) and
+             measure its informativeness (`retrieval.allocation.informativeness`; i_doc costs two more
+             probes of the prompt, with the best event and with none)
+    theta    a caller's, the fixed default (`RecallConfig`: answer_hits events, answer_budget_tokens, one
+             round, no demonstrations, the whole window), or the allocation model's best within the limit
+    plan     the k best hits with their neighbours in time, k * s memory tokens, the local window from w
+             tokens before the prompt; with n > 1 rounds a short draft answer (made by probes, never read
+             into the stream) is matched together with the question, and each round's new hits join the
+             plan with k * s more tokens
+
+Demonstrations (theta.m) are worked question/answer pairs read just before the prompt; like everything
+read, they join the stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engramkv import chat
+from engramkv.config import AllocationConfig, EngineConfig
+from engramkv.engine.state import EpisodicState
+from engramkv.errors import ConfigError, InputError
+from engramkv.memory.events import EventMemory
+from engramkv.reading import Reader
+from engramkv.retrieval import allocation, question
+from engramkv.retrieval.allocation import AllocationModel, Theta
+from engramkv.retrieval.question import QuestionMatch, RecallPlan
+
+# Worked examples of reading a fact and answering with it in its own words; none shares a topic with
+# the evaluation's tasks.
+DEMONSTRATIONS = (
+    ("The night ferry to the island leaves from pier 14 at 22:40.",
+     "From which pier does the night ferry leave?", "Pier 14."),
+    ("Marta keeps her spare bicycle key under the blue flower pot.",
+     "Where is Marta's spare bicycle key?", "Under the blue flower pot."),
+    ("The museum's new wing was designed by the architect Lena Varga.",
+     "Who designed the museum's new wing?", "Lena Varga."),
+)
+
+
+def demonstration_text(m: int) -> str:
+    """The first `m` demonstrations, in the "qa" chat format's words."""
+    return "".join(f"\n\n{fact}\nQuestion: {asked}\nAnswer: {answer}" for fact, asked, answer in DEMONSTRATIONS[:m])
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """What is known of a question before it is answered."""
+
+    matched: QuestionMatch
+    features: torch.Tensor  # (F,) informativeness (`allocation.FEATURES`)
+    question_keys: torch.Tensor  # (S, Hkv, C, D) at the summary layers
+
+
+class Answerer:
+    """Chooses theta and builds the plan for one session's answers (the session reads the tokens)."""
+
+    def __init__(self, state: EpisodicState, memory: EventMemory, cfg: EngineConfig, tokenizer: Any,
+                 model: AllocationModel | None):
+        self.state, self.memory, self.cfg, self.tokenizer, self.model = state, memory, cfg, tokenizer, model
+        alloc = cfg.allocation
+        self.grid = [Theta(k, s, n, m, w) for k in alloc.k for s in alloc.s for n in alloc.n for m in alloc.m
+                     for w in alloc.w if m <= len(DEMONSTRATIONS)]
+        self.demonstration_ids = [list(tokenizer.encode(demonstration_text(m), add_special_tokens=False))
+                                  for m in range(len(DEMONSTRATIONS) + 1)]
+
+    def default_theta(self) -> Theta:
+        """The fixed default: what every answer took before the allocation model."""
+        recall = self.cfg.recall
+        budget = question.answer_budget(recall)
+        return Theta(recall.answer_hits, math.ceil(budget / recall.answer_hits), 1, 0, self.cfg.window.n_local)
+
+    def check(self, theta: Theta) -> None:
+        if min(theta.k, theta.s, theta.n) < 1 or min(theta.m, theta.w) < 0:
+            raise InputError(f"theta needs k, s, n >= 1 and m, w >= 0, got {theta}")
+        if theta.m > len(DEMONSTRATIONS):
+            raise InputError(f"theta.m: {len(DEMONSTRATIONS)} demonstrations ship, {theta.m} asked for")
+
+    # ------------------------------------------------------------------ before the answer
+    def assess(self, prompt_ids: list[int], span: tuple[int, int]) -> Assessment:
+        """Probe the prompt, match its question, measure the features (the stream does not change)."""
+        layers, recall = self.state.summary_layers, self.cfg.recall
+        ids = torch.tensor(prompt_ids, dtype=torch.long)
+        probe = self.state.probe(ids)
+        keys = torch.stack([probe.keys[layer][:, span[0] : span[1]] for layer in layers])  # (S, Hkv, C, D)
+        k = max(recall.answer_hits, *self.cfg.allocation.k)
+        matched = question.assess(self.memory, keys, layers, probe.recalled, self.state.resident_keys(layers),
+                                  recall, k)
+        margin = matched.window - matched.hits[0][1] if matched.hits else 0.0
+        i_doc = self._i_doc(ids, matched) if self.model is not None and self.cfg.allocation.i_doc else 0.0
+        features = allocation.informativeness(torch.tensor(matched.scores), margin, i_doc)
+        return Assessment(matched, features, keys)
+
+    def _i_doc(self, ids: torch.Tensor, matched: QuestionMatch) -> float:
+        """The change in the first answer token's log-probability with the best event against none."""
+        if not matched.hits:
+            return 0.0
+        best = matched.hits[0][0]
+        with_one = self.state.probe(ids, RecallPlan((best,), self.memory.event(best).length)).last_logits
+        without = self.state.probe(ids, RecallPlan((), 0)).last_logits
+        with_one, without = with_one.log_softmax(-1), without.log_softmax(-1)  # (V,) each
+        token = int(with_one.argmax())
+        return float(with_one[token] - without[token])
+
+    def cost_of(self, theta: Theta, fixed_tokens: int, local_tokens: int) -> int:
+        """Effective context tokens of an answer under `theta` (`allocation.cost`): `fixed_tokens` are the
+        sinks and the turn, `local_tokens` the local text before the turn."""
+        demo = len(self.demonstration_ids[theta.m]) / max(theta.m, 1)
+        if theta.w >= min(self.cfg.window.n_local, local_tokens):  # the whole window, however long it is now
+            theta = dataclasses.replace(theta, w=local_tokens)
+        return allocation.cost(theta, fixed_tokens, round(demo), window_cap=local_tokens,
+                               memory_cap=self.cfg.recall.budget_tokens)
+
+    def memory_budget(self, theta: Theta, limit: int | None, fixed_tokens: int, local_tokens: int) -> int:
+        """Memory tokens an answer under `theta` may read over all its rounds: k * s * n (the default theta:
+        `answer_budget`), at most the reading budget, and no more than `limit` leaves after the rest."""
+        recall = self.cfg.recall
+        if theta == self.default_theta():
+            budget = question.answer_budget(recall)
+        else:
+            budget = min(theta.k * theta.s * theta.n, recall.budget_tokens)
+        if limit is not None:
+            rest = self.cost_of(dataclasses.replace(theta, k=0), fixed_tokens, local_tokens)
+            budget = min(budget, max(0, limit - rest))
+        return budget
+
+    def choose(self, assessment: Assessment | None, limit: int | None, fixed_tokens: int,
+               local_tokens: int) -> Theta:
+        """The model's best theta within `limit` (mode "model"), else the fixed default."""
+        if self.model is None or assessment is None:
+            return self.default_theta()
+        chosen = allocation.choose(self.model, self.grid, assessment.features,
+                                   limit if limit is not None else math.inf,  # type: ignore[arg-type]
+                                   lambda t: self.cost_of(t, fixed_tokens, local_tokens))
+        return chosen or min(self.grid, key=lambda t: (self.cost_of(t, fixed_tokens, local_tokens), t))
+
+    def recall(self, ids: list[int], k: int) -> list[tuple[int, float]]:
+        """The `k` best (event id, score) for a query's token ids (`Session.recall`)."""
+        probe = self.state.probe(torch.tensor(ids, dtype=torch.long))
+        keys = torch.stack([probe.keys[layer] for layer in self.state.summary_layers])  # (S, Hkv, C, D)
+        if self.cfg.recall.question_match == "keys":
+            return question.match(self.memory, keys, self.state.summary_layers, probe.recalled, self.cfg.recall, k)
+        return question.match_by_queries(self.memory, probe.queries, k)
+
+    # ------------------------------------------------------------------ a turn
+    def read_turn(self, reader: Reader, prompt_ids: list[int], preamble_ids: Sequence[int],
+                  span: tuple[int, int] | None, limit: int | None, theta: Theta | None) -> RecallPlan:
+        """Read a turn's preamble (and demonstrations) and return the plan its prompt is read with: matched
+        against memory when `span` (the question's tokens in `prompt_ids`) is given, under `theta` or the
+        chosen one, the whole answer within `limit` effective context tokens where one is given."""
+        stream = self.state.stream  # what the answer reads anyway: sinks, the local window and the turn
+        turn_start, fixed = reader.tokens, stream.sink_len + len(preamble_ids) + len(prompt_ids)
+        local = turn_start - stream.local_start
+        plan = question.layer_recall_plan(question.answer_budget(self.cfg.recall, limit, fixed + local))
+        if preamble_ids:
+            reader.flush(plan, token_ids=preamble_ids)
+        # Under the default theta a zero budget reads no memory: nothing to match.
+        if span is None or (plan.budget == 0 and self.model is None and theta is None):
+            return dataclasses.replace(plan, context_tokens=fixed + local + plan.budget)
+        reader.flush()  # the probe reads the prompt after everything queued
+        assessment = self.assess(prompt_ids, span)
+        theta = theta or self.choose(assessment, limit, fixed, local)
+        if theta.m:
+            reader.flush(plan, token_ids=self.demonstration_ids[theta.m])
+        budget = self.memory_budget(theta, limit, fixed, local)
+        plan = self.plan(assessment, theta, prompt_ids, span, turn_start, budget)
+        window = local if plan.window_from is None else min(local, turn_start - plan.window_from)
+        memory = plan.budget if plan.events is None else sum(self.memory.event(e).length for e in plan.events)
+        demonstrations = len(self.demonstration_ids[theta.m])
+        return dataclasses.replace(plan, context_tokens=fixed + window + memory + demonstrations)
+
+    # ------------------------------------------------------------------ the plan
+    def plan(self, assessment: Assessment, theta: Theta, prompt_ids: list[int], span: tuple[int, int],
+             window_end: int, budget: int) -> RecallPlan:
+        """The plan under `theta`: the first round's hits, then (n > 1) each draft round's. `window_end`: the
+        stream index the window's w tokens count back from (the turn's start); `budget`: the memory tokens of
+        all rounds (`memory_budget`), shared evenly."""
+        recall, n_local = self.cfg.recall, self.cfg.window.n_local
+        local_tokens = window_end - self.state.stream.local_start
+        window_from = None if theta.w >= min(n_local, local_tokens) else window_end - theta.w
+        per_round = budget // theta.n
+        plan = question.plan_answer(self.memory, assessment.matched, recall, self.state.n_tokens, per_round,
+                                    theta.k, window_from)
+        hits = list(plan.hits)
+        for round_ in range(2, theta.n + 1):
+            if not plan.events:
+                break  # nothing matched, or the window answers: no draft to match
+            keys = self._draft_keys(plan, prompt_ids, span)
+            if keys is None:
+                break
+            again = question.assess(self.memory, keys, self.state.summary_layers, [], [k[:, :0] for k in keys],
+                                    recall, theta.k)
+            for hit in again.hits:
+                if all(abs(hit[0] - other) > recall.match_neighbours for other, _ in hits):
+                    hits.append(hit)
+            events = question.answer_events(self.memory, [e for e, _ in hits], per_round * round_,
+                                            recall.max_neighbour_distance)
+            plan = RecallPlan(tuple(events), per_round * round_, plan.memory_at, tuple(hits), window_from)
+        return dataclasses.replace(plan, theta=theta, features=tuple(assessment.features.tolist()))
+
+    def _draft_keys(self, plan: RecallPlan, prompt_ids: list[int], span: tuple[int, int]) -> torch.Tensor | None:
+        """A greedy draft of the answer under `plan`, made by probing (the stream does not change), and the
+        keys of the question and the draft at the summary layers (S, Hkv, C, D); None without a draft."""
+        stop = {self.tokenizer.eos_token_id} - {None}
+        draft: list[int] = []
+        while True:
+            probe = self.state.probe(torch.tensor(prompt_ids + draft, dtype=torch.long), plan)
+            token = int(probe.last_logits.argmax())
+            if len(draft) == self.cfg.allocation.draft_tokens or token in stop or "\n" in self.tokenizer.decode([token]):
+                break
+            draft.append(token)
+        if not draft:
+            return None
+        layers = self.state.summary_layers
+        return torch.stack([torch.cat([probe.keys[layer][:, span[0] : span[1]],
+                                       probe.keys[layer][:, len(prompt_ids) :]], dim=1) for layer in layers])
+
+
+def allocate_turns(answerer: Answerer, reader: Reader, messages: Sequence[str], total: int,
+                   matching: bool) -> list[tuple[Theta | None, int]]:
+    """(theta, context limit) for each of `messages` asked as chat turns, the limits together at most `total`:
+    each question's features are measured now, each starts at the cheapest theta, and each next step of
+    budget goes to the question with the best predicted gain per token (`allocation.allocate`); without a
+    fitted model, the default theta. The stream does not change (the caller has flushed the reader)."""
+    cfg = answerer.cfg
+    turns = [chat.chat_turn(answerer.tokenizer, cfg.generation, reader.chat_history, m) for m in messages]
+    # Bounds that hold for every turn of the batch, whatever the ones before it leave in the window.
+    fixed = cfg.window.n_sink + max(len(t.preamble_ids) + len(t.prompt_ids) for t in turns) + 8
+    local = cfg.window.n_local + cfg.segmentation.max_event + cfg.window.chunk_size
+    if not matching:
+        share = total // len(turns)
+        if share < fixed + local:
+            raise InputError(f"total_tokens {total} leaves {share} per question; each needs {fixed + local}")
+        return [(None, share)] * len(turns)
+
+    def cost_of(theta: Theta) -> int:
+        return answerer.cost_of(theta, fixed, local)
+
+    if answerer.model is None:
+        default = answerer.default_theta()
+        thetas: list[Theta | None] = [default] * len(turns)
+    else:
+        infos = [answerer.assess(t.prompt_ids, t.question_span).features for t in turns]
+        thetas = allocation.allocate(answerer.model, answerer.grid, infos, total, cost_of)
+    if any(theta is None for theta in thetas) or sum(cost_of(t) for t in thetas if t is not None) > total:
+        cheapest = min(cost_of(t) for t in (answerer.grid if answerer.model is not None else thetas) if t)
+        raise InputError(f"total_tokens {total} cannot answer {len(turns)} questions: each needs at least "
+                         f"{cheapest} effective context tokens")
+    return [(theta, cost_of(theta)) for theta in thetas if theta is not None]
+
+
+SHIPPED = Path(__file__).parent / "coefficients"  # fitted by `engramkv calibrate`, one file per model
+
+
+def coefficients_path(model_id: str) -> Path:
+    """Where the coefficients shipped for `model_id` live (the file may not exist)."""
+    return SHIPPED / (model_id.replace("/", "--") + ".json")
+
+
+def allocation_model(cfg: AllocationConfig, model_id: str) -> AllocationModel | None:
+    """The fitted model mode "model" answers with (None in mode "fixed"), from `cfg.coefficients` or the
+    package's file for `model_id`; a missing, unreadable or other model's file is a ConfigError."""
+    if cfg.mode == "fixed":
+        return None
+    path = Path(cfg.coefficients).expanduser() if cfg.coefficients else coefficients_path(model_id)
+    if not path.is_file():
+        raise ConfigError(f"allocation.mode 'model' needs fitted coefficients: no file {path}; "
+                          "fit them with `engramkv calibrate` and pass allocation.coefficients")
+    try:
+        data = json.loads(path.read_text())
+        model = AllocationModel(**data["model"])
+        fitted_for = data["model_id"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{path} is not a coefficients file of `engramkv calibrate`: {err}") from err
+    if fitted_for != model_id:
+        raise ConfigError(f"{path} was fitted for {fitted_for}, this model is {model_id}; "
+                          "re-fit with `engramkv calibrate`")
+    if len(model.a) != len(allocation.PARAMETERS) or any(len(row) != len(allocation.FEATURES) for row in model.b):
+        raise ConfigError(f"{path}: coefficients of another shape than theta {allocation.PARAMETERS} "
+                          f"by features {allocation.FEATURES}")
+    return model
