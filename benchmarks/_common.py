@@ -22,10 +22,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def passkey_sample(tokenizer: Any, n_tokens: int, depth: float, seed: int) -> tuple[str, str, str]:
-    """(context, prompt, key) of the passkey task (`evalkit.tasks.passkey`, the one generator) with the key at
+    """(context, prompt, key) of the passkey task (`engramkv.tasks.passkey`, the one generator) with the key at
     `depth`: for callers that ingest a context and then continue the prompt (the tests, examples/quickstart.py,
     passkey_file.py). `n_tokens` counts context + prompt."""
-    from evalkit.tasks import passkey
+    from engramkv.tasks import passkey
 
     sample = passkey(tokenizer, n_tokens, seed, depth=depth)
     return sample.context[0], sample.prompt, sample.answers[0]

@@ -4,7 +4,7 @@
     python benchmarks/evaluate.py --tasks passkey --lengths 65536 131072 --systems engram streaming
     python benchmarks/evaluate.py --quick                  # a few minutes: three tasks, every default system, 2k
 
-Tasks (`evalkit/tasks.py`): passkey, kv, niah-single, niah-multikey, niah-multivalue, niah-multiquery,
+Tasks (`engramkv/tasks.py`): passkey, kv, niah-single, niah-multikey, niah-multivalue, niah-multiquery,
 conversation. Systems (`evalkit/systems.py`): full, streaming, rag, infllm, engram-surprise,
 engram-refined, engram. The model is the embedded default unless --model names another.
 
@@ -32,7 +32,7 @@ from _common import CODE, RESULTS, ROOT, write_results
 from engramkv.config import ModelConfig
 from engramkv.hf import load_pretrained
 from evalkit.systems import DEFAULT_SYSTEMS, OPTIONAL_SYSTEMS, SYSTEMS, Models, system_config
-from evalkit.tasks import TASKS
+from engramkv.tasks import TASKS
 
 QUICK_LENGTH = 2048
 QUICK_TASKS = ["passkey", "niah-multikey", "conversation"]

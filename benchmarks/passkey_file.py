@@ -8,7 +8,7 @@
 `engramkv ask` is a chat turn; `--ask STORE` continues the benchmark's prompt ("... What is the pass
 key? The pass key is") as passkey.py does, from the store opened read-only. The key is printed (and
 nowhere else but in the text), so the answer can be checked by eye or script. The text comes from
-`evalkit.tasks.passkey`, the generator of passkey.py and evaluate.py, with the key at --depth.
+`engramkv.tasks.passkey`, the generator of passkey.py and evaluate.py, with the key at --depth.
 `--tokens` counts tokens of the embedded model's tokenizer, like passkey.py's lengths.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from engramkv import EpisodicLM
 from engramkv.config import EngineConfig, ModelConfig
 from engramkv.hf import load_pretrained
-from evalkit.tasks import PASSKEY_PROMPT, PASSKEY_QUESTION, passkey
+from engramkv.tasks import PASSKEY_PROMPT, PASSKEY_QUESTION, passkey
 
 
 def main() -> None:

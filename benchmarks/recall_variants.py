@@ -21,7 +21,7 @@ from typing import Any
 
 from _common import RESULTS, write_results
 from engramkv import EngineConfig, EpisodicLM
-from evalkit.tasks import TASKS
+from engramkv.tasks import TASKS
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "answer budget 1024 (reading budget)": {"answer_budget_tokens": None},

@@ -8,8 +8,10 @@
 Everything a caller needs is exported here; the modules behind it are private to the package.
 """
 
+from engramkv.calibration import CalibrationReport, FitReport, calibrate
 from engramkv.config import (
     AllocationConfig,
+    CalibrationConfig,
     EngineConfig,
     GenerationConfig,
     IndexConfig,
@@ -57,6 +59,8 @@ from engramkv.storage.store import EventStore, NamespaceInfo
 __all__ = [
     "AllocationConfig",
     "Answer",
+    "CalibrationConfig",
+    "CalibrationReport",
     "ConfigError",
     "DocumentProgress",
     "EmptyInputError",
@@ -66,6 +70,7 @@ __all__ = [
     "Event",
     "EventMemory",
     "EventStore",
+    "FitReport",
     "GenerationConfig",
     "InMemoryEventMemory",
     "IndexConfig",
@@ -99,5 +104,6 @@ __all__ = [
     "TierBytes",
     "TransientMemory",
     "WindowConfig",
+    "calibrate",
 ]
 __version__ = "0.1.0"

@@ -76,11 +76,15 @@ class Answerer:
         self.demonstration_ids = [list(tokenizer.encode(demonstration_text(m), add_special_tokens=False))
                                   for m in range(len(DEMONSTRATIONS) + 1)]
 
-    def default_theta(self) -> Theta:
+    @staticmethod
+    def default_for(cfg: EngineConfig) -> Theta:
         """The fixed default: what every answer took before the allocation model."""
-        recall = self.cfg.recall
+        recall = cfg.recall
         budget = question.answer_budget(recall)
-        return Theta(recall.answer_hits, math.ceil(budget / recall.answer_hits), 1, 0, self.cfg.window.n_local)
+        return Theta(recall.answer_hits, math.ceil(budget / recall.answer_hits), 1, 0, cfg.window.n_local)
+
+    def default_theta(self) -> Theta:
+        return self.default_for(self.cfg)
 
     def check(self, theta: Theta) -> None:
         if min(theta.k, theta.s, theta.n) < 1 or min(theta.m, theta.w) < 0:
@@ -89,8 +93,9 @@ class Answerer:
             raise InputError(f"theta.m: {len(DEMONSTRATIONS)} demonstrations ship, {theta.m} asked for")
 
     # ------------------------------------------------------------------ before the answer
-    def assess(self, prompt_ids: list[int], span: tuple[int, int]) -> Assessment:
-        """Probe the prompt, match its question, measure the features (the stream does not change)."""
+    def assess(self, prompt_ids: list[int], span: tuple[int, int], with_i_doc: bool) -> Assessment:
+        """Probe the prompt, match its question, measure the features (the stream does not change); i_doc
+        (two more probes) only `with_i_doc` and `allocation.i_doc`, else 0."""
         layers, recall = self.state.summary_layers, self.cfg.recall
         ids = torch.tensor(prompt_ids, dtype=torch.long)
         probe = self.state.probe(ids)
@@ -99,7 +104,7 @@ class Answerer:
         matched = question.assess(self.memory, keys, layers, probe.recalled, self.state.resident_keys(layers),
                                   recall, k)
         margin = matched.window - matched.hits[0][1] if matched.hits else 0.0
-        i_doc = self._i_doc(ids, matched) if self.model is not None and self.cfg.allocation.i_doc else 0.0
+        i_doc = self._i_doc(ids, matched) if with_i_doc and self.cfg.allocation.i_doc else 0.0
         features = allocation.informativeness(torch.tensor(matched.scores), margin, i_doc)
         return Assessment(matched, features, keys)
 
@@ -170,7 +175,7 @@ class Answerer:
         if span is None or (plan.budget == 0 and self.model is None and theta is None):
             return dataclasses.replace(plan, context_tokens=fixed + local + plan.budget)
         reader.flush()  # the probe reads the prompt after everything queued
-        assessment = self.assess(prompt_ids, span)
+        assessment = self.assess(prompt_ids, span, with_i_doc=theta is not None or self.model is not None)
         theta = theta or self.choose(assessment, limit, fixed, local)
         if theta.m:
             reader.flush(plan, token_ids=self.demonstration_ids[theta.m])
@@ -252,7 +257,7 @@ def allocate_turns(answerer: Answerer, reader: Reader, messages: Sequence[str], 
         default = answerer.default_theta()
         thetas: list[Theta | None] = [default] * len(turns)
     else:
-        infos = [answerer.assess(t.prompt_ids, t.question_span).features for t in turns]
+        infos = [answerer.assess(t.prompt_ids, t.question_span, with_i_doc=True).features for t in turns]
         thetas = allocation.allocate(answerer.model, answerer.grid, infos, total, cost_of)
     if any(theta is None for theta in thetas) or sum(cost_of(t) for t in thetas if t is not None) > total:
         cheapest = min(cost_of(t) for t in (answerer.grid if answerer.model is not None else thetas) if t)

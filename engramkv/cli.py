@@ -6,6 +6,7 @@
     engramkv stats --store DIR              tokens, events, tiers and disk use of a namespace
     engramkv sessions list|delete --store DIR
     engramkv chat [--store DIR]             the terminal chat app
+    engramkv calibrate --out FILE           fit the recall budget model (allocation coefficients)
 
 Exit status: 0 success, 1 error (the message says why), 130 interrupted.
 """
@@ -131,6 +132,33 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from engramkv import EngineConfig, calibrate
+
+    base = EngineConfig()
+    updates = {name: getattr(args, name) for name in ("tasks", "lengths", "samples", "design_size")
+               if getattr(args, name) is not None}
+    cfg = base.model_copy(update={"calibration": base.calibration.model_copy(update=updates)})
+    cfg = EngineConfig.model_validate(cfg.model_dump())  # validate the values given on the command line
+    lm = None if args.fit_only else _model(args)  # a fit alone needs no model, only its id
+    report = calibrate(lm, cfg, Path(args.out), Path(args.work_dir), fit_only=args.fit_only,
+                       model_id=args.model_id, progress=None if args.json else _progress_line)
+    if args.json:
+        print(report.model_dump_json())
+        return 0
+    print(f"fitted on {report.observations} answers, held out {report.held_out}; wrote {args.out}")
+    for name, fit in report.fits.items():
+        print(f"  {name:15s} R^2 {fit.r2:+.3f}  MSE {fit.mse:.4f}  (held-out samples)")
+    for name, score in report.held_out_scores.items():
+        print(f"  held-out mean score, {name:10s} {score:.3f} at {report.held_out_context[name]:.0f} context tokens")
+    print(f"  best fixed theta {report.best_fixed_theta}; default {report.default_theta}")
+    return 0
+
+
+def _progress_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def cmd_recall(args: argparse.Namespace) -> int:
     lm = _model(args)
     session = _session(lm, args, read_only=True)
@@ -253,6 +281,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", type=int, default=5, help="number of events (default 5)")
     _common(p)
     p.set_defaults(run=cmd_recall)
+
+    p = sub.add_parser("calibrate", help="fit the recall budget model on calibration tasks and write its coefficients",
+                       description="Ingest each calibration document once into a store under --work-dir, answer "
+                       "its question as a chat turn under a design of inference parameters (events, tokens per "
+                       "event, recall rounds, demonstrations, window), fit the allocation model, and write its "
+                       "coefficients with R^2 and MSE on held-out samples (JSON; pass it as "
+                       "allocation.coefficients). Interrupted, it resumes from the observations it wrote.")
+    p.add_argument("--out", default="allocation.json", help="coefficients file to write (default allocation.json)")
+    p.add_argument("--work-dir", default="calibration-work",
+                   help="stores and observations.jsonl of the run (default ./calibration-work)")
+    p.add_argument("--tasks", nargs="+", default=None, help="calibration tasks (default: the config's)")
+    p.add_argument("--lengths", nargs="+", type=int, default=None, help="document lengths in tokens")
+    p.add_argument("--samples", type=int, default=None, help="samples per task and length")
+    p.add_argument("--design-size", type=int, default=None, help="thetas every sample is answered under")
+    p.add_argument("--fit-only", action="store_true", help="fit the observations already written; run nothing")
+    p.add_argument("--model-id", default=None, help="with --fit-only: the model the observations are of "
+                   "(default: the embedded model's id)")
+    p.add_argument("--model", default=None, help="hub id or local path of the model to calibrate (default: embedded)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.set_defaults(run=cmd_calibrate)
 
     p = sub.add_parser("stats", help="tokens, events, tiers and disk use of a namespace",
                        description="Tokens, events, documents, memory tiers and disk use of one namespace.")

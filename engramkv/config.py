@@ -212,6 +212,24 @@ class AllocationConfig(_Strict):
         return self
 
 
+class CalibrationConfig(_Strict):
+    """What `engramkv calibrate` (`calibration.calibrate`) runs to fit the allocation model."""
+
+    tasks: list[str] = Field(
+        default=["passkey", "niah-single", "niah-multikey", "niah-multivalue", "niah-multiquery", "conversation"],
+        min_length=1, description="Calibration tasks (`engramkv.tasks`).",
+    )
+    lengths: list[int] = Field(default=[4096, 8192], min_length=1, description="Document lengths in tokens.")
+    samples: int = Field(default=2, ge=1, description="Samples per task and length (seeds from CALIBRATION_SEEDS).")
+    design_size: int = Field(
+        default=16, ge=1, description="Thetas drawn from the allocation grid (with a seed), besides the default "
+        "theta: every sample is answered under all of them.",
+    )
+    design_seed: int = 0
+    holdout: int = Field(default=4, ge=2, description="Every holdout-th sample is held out of the fit.")
+    max_new_tokens: int = Field(default=64, ge=1)
+
+
 class GenerationConfig(_Strict):
     """Decoding defaults."""
 
@@ -299,6 +317,7 @@ class EngineConfig(_Strict):
     recall: RecallConfig = RecallConfig()
     generation: GenerationConfig = GenerationConfig()
     allocation: AllocationConfig = AllocationConfig()
+    calibration: CalibrationConfig = CalibrationConfig()
     store: StoreConfig = StoreConfig()
 
     # The knobs that shape the stream itself: a stored stream can only continue under the same ones.

@@ -14,7 +14,7 @@ import _common  # noqa: E402
 import passkey as passkey_preset  # noqa: E402
 from evalkit.systems import DEFAULT_SYSTEMS as SYSTEMS  # noqa: E402
 from evalkit.systems import OPTIONAL_SYSTEMS, system_config  # noqa: E402
-from evalkit.tasks import TASKS  # noqa: E402
+from engramkv.tasks import TASKS  # noqa: E402
 
 from engramkv import EngineConfig  # noqa: E402
 

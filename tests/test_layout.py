@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "engramkv"
 ALLOWED = {
     "errors": set(),
     "spec": set(),
+    "tasks": set(),
     "config": {"errors"},
     "memory": {"config", "errors", "spec"},
     "retrieval": {"memory", "config", "errors", "spec"},
@@ -25,8 +26,9 @@ ALLOWED = {
     "reading": {"engine", "retrieval", "memory", "documents", "results", "config", "errors"},
     "answering": {"chat", "reading", "engine", "retrieval", "memory", "config", "errors"},
     "session": {"answering", "chat", "reading", "engine", "retrieval", "memory", "documents", "results", "config", "errors", "spec"},
+    "calibration": {"lm", "hf", "answering", "retrieval", "tasks", "config", "errors"},
     "lm": {"session", "storage", "memory", "hf", "config", "errors", "spec"},
-    "__init__": {"lm", "session", "storage", "memory", "retrieval", "results", "config", "errors", "spec"},
+    "__init__": {"calibration", "lm", "session", "storage", "memory", "retrieval", "results", "config", "errors", "spec"},
     "cli": {"__init__"},
     "tui": {"__init__"},
 }

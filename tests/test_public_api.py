@@ -8,9 +8,9 @@ EXPORTED = {
     # what calls return or take
     "IngestReport", "IngestProgress", "RecalledEvent", "SessionStats", "RecallPlan", "ModelSpec",
     "Event", "EventMemory", "PersistentMemory", "TransientMemory", "InMemoryEventMemory", "DocumentProgress",
-    "TierBytes", "Theta", "Answer",
+    "TierBytes", "Theta", "Answer", "calibrate", "CalibrationReport", "FitReport",
     # the config tree
-    "EngineConfig", "AllocationConfig", "ModelConfig", "WindowConfig", "SegmentationConfig", "RefinementConfig", "RepresentativeConfig",
+    "EngineConfig", "AllocationConfig", "CalibrationConfig", "ModelConfig", "WindowConfig", "SegmentationConfig", "RefinementConfig", "RepresentativeConfig",
     "RecallConfig", "GenerationConfig", "StoreConfig", "IndexConfig",
     # the exception tree
     "EngramError", "ConfigError", "ModelLoadError", "InputError", "EmptyInputError", "SessionError", "StoreError",

@@ -44,7 +44,7 @@ from transformers.generation.streamers import BaseStreamer
 from engramkv import EngineConfig, EpisodicLM
 from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig, StoreConfig
 from engramkv.retrieval.question import match_span
-from evalkit.tasks import Sample
+from engramkv.tasks import Sample
 
 MAX_NEW_TOKENS = 64  # a UUID is ~30 tokens, four 7-digit numbers as a list ~45
 RAG_CHUNK_TOKENS = 256

@@ -1,4 +1,5 @@
-"""Long-context tasks, generated offline from a seed. Each makes a `Sample` of about `length` tokens.
+"""Long-context tasks, generated offline from a seed: what `engramkv calibrate` fits the allocation model on
+and what the evaluation (`benchmarks/evaluate.py`) measures. Each makes a `Sample` of about `length` tokens.
 
   passkey       InfiniteBench passkey: a 5-digit key in repeated filler sentences
   kv            InfiniteBench key-value retrieval: a JSON object of UUID pairs, asked for one value
@@ -12,13 +13,17 @@ The haystack is natural English: Python's language reference (`pydoc_data.topics
 CPython), sections in a seeded random order, cut to length. Each sample ends with its benchmark's
 prompt (InfiniteBench's and RULER's templates: the question, then the answer begun for the model;
 the conversation asks as a next user turn). A sample is scored by the share of its expected answers
-that appear in the reply.
+that appear in the reply, cut first where it starts to repeat itself (`cut_repeats`).
+
+Seeds: the evaluation uses 0, 1, 2, ...; calibration starts at `CALIBRATION_SEEDS` so the two never share a
+sample.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,7 +44,28 @@ class Sample:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def score(self, reply: str) -> float:
+        """Share of the expected answers in the reply, cut at its first repeat (`cut_repeats`)."""
+        reply = cut_repeats(reply)
         return sum(answer in reply for answer in self.answers) / len(self.answers)
+
+
+CALIBRATION_SEEDS = 100_000  # calibration samples use seeds from here on; the evaluation's stay below
+_SENTENCE = re.compile(r"[^.!?\n]*[.!?\n]+|[^.!?\n]+$")
+
+
+def cut_repeats(reply: str, times: int = 3) -> str:
+    """The reply up to where a sentence comes back for the `times`-th time (a degenerate reply: "The pass
+    key is the pass key." eight times over), or all of it."""
+    seen: dict[str, int] = {}
+    at = 0
+    for piece in _SENTENCE.finditer(reply):
+        sentence = piece.group().strip()
+        if sentence:
+            seen[sentence] = seen.get(sentence, 0) + 1
+            if seen[sentence] == times:
+                return reply[:at].rstrip()
+        at = piece.end()
+    return reply
 
 
 Tokenizer = Any

@@ -1,0 +1,218 @@
+"""Calibrating the allocation model (`engramkv calibrate`): answer calibration questions under a design of
+theta, fit `retrieval.allocation`'s model, and report it on held-out samples.
+
+1. Samples: every task at every length, `samples` seeds from `tasks.CALIBRATION_SEEDS` on (the
+   evaluation's seeds stay below it, so no sample is shared).
+2. Each sample's document is ingested once into its own store under the work directory (an interrupted
+   run ingests it again); its question is asked as a chat turn (`Session.chat`: what `ask` and the TUI do)
+   under every theta of the design, each time from the store opened read-only, so no answer sees another.
+3. Each answer is one JSON line of the observations file (sample, theta, features, reply, score, context
+   tokens); a run skips the answers the file already holds, so it resumes where it stopped.
+4. The fit leaves every `holdout`-th sample out; on those it reports R^2 and MSE of the model and of the
+   ablations (no interaction: B = 0; linear instead of logit), and the held-out mean score of the model's
+   choice against the default theta and against the best single theta of the fitted samples.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from engramkv.answering import Answerer
+from engramkv.config import EngineConfig
+from engramkv.errors import InputError
+from engramkv.hf import DEFAULT_MODEL_ID
+from engramkv.lm import EpisodicLM
+from engramkv.retrieval import allocation
+from engramkv.retrieval.allocation import AllocationModel, Theta
+from engramkv.tasks import CALIBRATION_SEEDS, TASKS, Sample
+
+
+class FitReport(BaseModel):
+    """One fit's quality on the held-out samples (score scale)."""
+
+    r2: float
+    mse: float
+
+
+class CalibrationReport(BaseModel):
+    """What a calibration wrote and measured; `model` is what `allocation.mode = "model"` answers with."""
+
+    model_id: str
+    model: AllocationModel
+    observations: int  # answers fitted on
+    held_out: int  # answers of the held-out samples
+    fits: dict[str, FitReport]  # "model", "no_interaction", "linear"
+    design: list[dict[str, int]]  # the thetas every sample was answered under
+    default_theta: dict[str, int]
+    best_fixed_theta: dict[str, int]  # the best mean score over the fitted samples
+    held_out_scores: dict[str, float]  # mean held-out score: "default", "best_fixed", "model"
+    held_out_context: dict[str, float]  # mean effective context tokens of the same answers
+    config: dict[str, Any]  # the allocation and calibration settings
+
+
+def design(cfg: EngineConfig, default: Theta) -> list[Theta]:
+    """The default theta and `design_size` others drawn from the allocation grid with `design_seed`."""
+    a = cfg.allocation
+    grid = sorted({Theta(k, s, n, m, w) for k in a.k for s in a.s for n in a.n for m in a.m for w in a.w} - {default})
+    drawn = random.Random(cfg.calibration.design_seed).sample(grid, min(cfg.calibration.design_size, len(grid)))
+    return [default, *sorted(drawn)]
+
+
+def samples(cfg: EngineConfig, tokenizer: Any) -> list[Sample]:
+    c = cfg.calibration
+    unknown = sorted(set(c.tasks) - set(TASKS))
+    if unknown:
+        raise InputError(f"unknown calibration tasks {unknown}; known: {sorted(TASKS)}")
+    return [TASKS[task](tokenizer, length, CALIBRATION_SEEDS + i)
+            for task in c.tasks for length in c.lengths for i in range(c.samples)]
+
+
+def _key(sample: Sample) -> str:
+    return f"{sample.task}-{sample.length}-{sample.seed}"
+
+
+def _rows(observations: Path) -> list[dict[str, Any]]:
+    """The observations written so far. A last line cut short by a kill mid-write is cut off the file (its
+    answer is asked again), so the next line starts clean."""
+    if not observations.exists():
+        return []
+    text = observations.read_text()
+    if text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+        observations.write_text(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _done(observations: Path) -> set[tuple[str, tuple[int, ...]]]:
+    return {(row["sample"], tuple(row["theta"].values())) for row in _rows(observations)}
+
+
+def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
+        progress: Callable[[str], None]) -> int:
+    """Answer every sample under every theta of the design not yet in `observations`; returns the answers
+    added. Each sample's store lives under `work_dir` until all its answers are in."""
+    default = Answerer.default_for(cfg)
+    thetas = design(cfg, default)
+    done, added = _done(observations), 0
+    observations.parent.mkdir(parents=True, exist_ok=True)
+    answer_cfg = cfg.model_copy(update={"allocation": cfg.allocation.model_copy(update={"mode": "fixed"})})
+    for sample in samples(cfg, lm.tokenizer):
+        missing = [t for t in thetas if (_key(sample), tuple(asdict(t).values())) not in done]
+        if not missing:
+            continue
+        store = work_dir / _key(sample)
+        if not (store / "ingested").exists():
+            shutil.rmtree(store, ignore_errors=True)
+            progress(f"{_key(sample)}: ingesting")
+            with lm.session(answer_cfg, store=store) as session:
+                for piece in sample.context:
+                    session.ingest(piece)
+            (store / "ingested").write_text("")
+        for theta in missing:
+            with lm.session(answer_cfg, store=store, read_only=True) as session:
+                reply = session.chat(sample.question, max_new_tokens=cfg.calibration.max_new_tokens, theta=theta)
+                plan = session.last_plan
+            row = {"sample": _key(sample), "task": sample.task, "length": sample.length, "seed": sample.seed,
+                   "theta": asdict(theta), "features": list(plan.features), "reply": reply,
+                   "score": sample.score(reply), "context_tokens": plan.context_tokens}
+            with observations.open("a") as out:
+                out.write(json.dumps(row) + "\n")
+            added += 1
+            progress(f"{_key(sample)} {theta}: {row['score']:.2f} {reply[:60]!r}")
+        lm.close()  # the sample's stores, before the next one opens
+        shutil.rmtree(store, ignore_errors=True)
+    return added
+
+
+def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> CalibrationReport:
+    """Fit the allocation model on `observations` (every holdout-th sample left out) and report it."""
+    rows = _rows(observations)
+    if not rows:
+        raise InputError(f"{observations} holds no observations; run `engramkv calibrate` without --fit-only")
+    keys = sorted({row["sample"] for row in rows})
+    held = {key for i, key in enumerate(keys) if i % cfg.calibration.holdout == cfg.calibration.holdout - 1}
+    train = [row for row in rows if row["sample"] not in held]
+    test = [row for row in rows if row["sample"] in held]
+    if not train or not test:
+        raise InputError(f"{len(keys)} samples are too few to hold every {cfg.calibration.holdout}th out")
+
+    def columns(part: list[dict[str, Any]]) -> tuple[list[Theta], list[torch.Tensor], list[float]]:
+        return ([Theta(**row["theta"]) for row in part],
+                [torch.tensor(row["features"], dtype=torch.float64) for row in part],
+                [float(row["score"]) for row in part])
+
+    a = cfg.allocation
+    fitted = {
+        "model": allocation.fit(*columns(train), a),
+        "no_interaction": allocation.fit(*columns(train), a, with_interaction=False),
+        "linear": allocation.fit(*columns(train), a, link="linear"),
+    }
+    fits = {name: FitReport(**dict(zip(("r2", "mse"), allocation.r_squared(m, *columns(test)))))
+            for name, m in fitted.items()}
+    default = Answerer.default_for(cfg)
+
+    def mean_by_theta(part: list[dict[str, Any]]) -> dict[Theta, float]:
+        by: dict[Theta, list[float]] = {}
+        for row in part:
+            by.setdefault(Theta(**row["theta"]), []).append(float(row["score"]))
+        return {theta: sum(v) / len(v) for theta, v in by.items()}
+
+    train_means = mean_by_theta(train)
+    best_fixed = max(train_means, key=lambda t: (train_means[t], -t.k * t.s * t.n))
+    chosen = _held_out_choice(fitted["model"], test, default, best_fixed)
+    return CalibrationReport(
+        model_id=model_id, model=fitted["model"], observations=len(train), held_out=len(test), fits=fits,
+        design=[json.loads(t) for t in sorted({json.dumps(row["theta"]) for row in rows})],
+        default_theta=asdict(default), best_fixed_theta=asdict(best_fixed),
+        held_out_scores={name: sum(r["score"] for r in picked) / len(picked) for name, picked in chosen.items()},
+        held_out_context={name: sum(r["context_tokens"] for r in picked) / len(picked)
+                          for name, picked in chosen.items()},
+        config={"allocation": a.model_dump(), "calibration": cfg.calibration.model_dump()},
+    )
+
+
+def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default: Theta,
+                     best_fixed: Theta) -> dict[str, list[dict[str, Any]]]:
+    """Per held-out sample, the answer under the default theta, under the best fixed one, and under the
+    model's choice among the design's thetas within the best fixed one's context (no more tokens)."""
+    by_sample: dict[str, dict[Theta, dict[str, Any]]] = {}
+    for row in test:
+        by_sample.setdefault(row["sample"], {})[Theta(**row["theta"])] = row
+    picked: dict[str, list[dict[str, Any]]] = {"default": [], "best_fixed": [], "model": []}
+    for answers in by_sample.values():
+        if default not in answers or best_fixed not in answers:
+            continue
+        limit = answers[best_fixed]["context_tokens"]
+        feasible = [t for t, row in answers.items() if row["context_tokens"] <= limit]
+        features = torch.tensor(answers[default]["features"], dtype=torch.float64)
+        choice = max(feasible, key=lambda t: (model.logit(t, features), -answers[t]["context_tokens"]))
+        picked["default"].append(answers[default])
+        picked["best_fixed"].append(answers[best_fixed])
+        picked["model"].append(answers[choice])
+    return picked
+
+
+def calibrate(lm: EpisodicLM | None, cfg: EngineConfig, out: Path, work_dir: Path, fit_only: bool = False,
+              model_id: str | None = None, progress: Callable[[str], None] | None = None) -> CalibrationReport:
+    """Run what is missing of the calibration on `lm` (unless `fit_only`: then `lm` may be None and `model_id`
+    names the model, by default the embedded one), fit, and write the report to `out` (JSON; what
+    `allocation.coefficients` reads). The observations live in `work_dir/observations.jsonl`."""
+    observations = work_dir / "observations.jsonl"
+    if not fit_only:
+        if lm is None:
+            raise InputError("calibrate needs a model unless fit_only")
+        run(lm, cfg, work_dir, observations, progress or (lambda line: None))
+    model_id = model_id or (lm.spec.model_id if lm is not None else DEFAULT_MODEL_ID)
+    report = fit_observations(cfg, model_id, observations)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report.model_dump_json(indent=2) + "\n")
+    return report
