@@ -173,11 +173,14 @@ def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> Ca
         model_id=model_id, model=fitted["model"], observations=len(train), held_out=len(test), fits=fits,
         design=[json.loads(t) for t in sorted({json.dumps(row["theta"]) for row in rows})],
         default_theta=asdict(default), best_fixed_theta=asdict(best_fixed),
-        held_out_scores={name: sum(r["score"] for r in picked) / len(picked) for name, picked in chosen.items()},
-        held_out_context={name: sum(r["context_tokens"] for r in picked) / len(picked)
-                          for name, picked in chosen.items()},
+        held_out_scores={name: _mean([r["score"] for r in picked]) for name, picked in chosen.items()},
+        held_out_context={name: _mean([r["context_tokens"] for r in picked]) for name, picked in chosen.items()},
         config={"allocation": a.model_dump(), "calibration": cfg.calibration.model_dump()},
     )
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")  # nan: no held-out sample has that theta
 
 
 def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default: Theta,

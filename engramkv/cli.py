@@ -14,6 +14,7 @@ Exit status: 0 success, 1 error (the message says why), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -112,19 +113,32 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 def cmd_ask(args: argparse.Namespace) -> int:
     lm = _model(args)
-    session = _session(lm, args, read_only=True)
+    config = lm.config
+    if args.allocation is not None or args.coefficients is not None:
+        allocation = config.allocation.model_copy(update={
+            k: v for k, v in (("mode", args.allocation), ("coefficients", args.coefficients)) if v is not None})
+        config = type(config).model_validate({**config.model_dump(), "allocation": allocation.model_dump()})
+    session = lm.session(config, store=args.store, user_id=args.user, agent_id=args.agent,
+                         session_id=args.session, read_only=True)
     answer = session.chat(args.question, max_new_tokens=args.max_new_tokens, budget_tokens=args.budget_tokens)
     recalled = session.last_recalled[: args.k]  # the events the answer attended to, best match first
     plan = session.last_plan
-    read = None if plan is None else {"budget_tokens": plan.budget,
-                                      "events": None if plan.events is None else list(plan.events)}
+    read = None if plan is None else {
+        "budget_tokens": plan.budget, "events": None if plan.events is None else list(plan.events),
+        "theta": None if plan.theta is None else dataclasses.asdict(plan.theta),
+        "features": list(plan.features), "context_tokens": plan.context_tokens}
     if args.json:
         print(json.dumps({"answer": answer, "recalled": [r.model_dump(mode="json") for r in recalled], "plan": read}))
     else:
         print(answer.strip())
         if args.show_recall and plan is not None:
             pinned = "each layer's own recall" if plan.events is None else f"{len(plan.events)} events"
-            print(f"  read: {pinned}, at most {plan.budget} memory tokens per layer")
+            print(f"  read: {pinned}, at most {plan.budget} memory tokens per layer, "
+                  f"{plan.context_tokens} context tokens in all")
+            if plan.theta is not None:
+                t = plan.theta
+                print(f"  theta: k={t.k} events, s={t.s} tokens each, n={t.n} rounds, m={t.m} demonstrations, "
+                      f"w={t.w} window tokens")
         for r in recalled if args.show_recall else []:
             print(f"  [{r.score:+.2f}] event {r.event_id} (tokens {r.token_start}-{r.token_end}): "
                   f"{_one_line(r.text)}")
@@ -268,7 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-tokens", type=int, default=None,
                    help="the most context the answer reads: resident window + question + recalled tokens "
                    "(default: recall.answer_context_tokens, unset)")
-    p.add_argument("--show-recall", action="store_true", help="also print the events the answer attended to, best match first")
+    p.add_argument("--show-recall", action="store_true",
+                   help="also print the inference parameters and the events the answer attended to, best match first")
+    p.add_argument("--allocation", choices=["fixed", "model"], default=None,
+                   help="how the recall budget is chosen: the fixed default, or the fitted allocation model "
+                   "(default: the config's, 'fixed')")
+    p.add_argument("--coefficients", default=None,
+                   help="allocation coefficients file (`engramkv calibrate --out`; default: the ones shipped for the model)")
     p.add_argument("-k", type=int, default=3, help="events shown with --show-recall or --json (default 3)")
     _common(p)
     p.set_defaults(run=cmd_ask)

@@ -43,7 +43,7 @@ def _subcommands() -> dict[str, object]:
 def test_every_command_has_help_and_is_in_the_readme():
     readme = README.read_text()
     commands = _subcommands()
-    assert set(commands) == {"ingest", "ask", "recall", "stats", "sessions", "chat"}
+    assert set(commands) == {"ingest", "ask", "recall", "stats", "sessions", "chat", "calibrate"}
     for name, sub in commands.items():
         assert sub.description, f"{name} has no --help description"  # type: ignore[attr-defined]
         assert f"engramkv {name}" in readme, f"`engramkv {name}` is not documented in the README"
@@ -68,6 +68,10 @@ def test_ingest_then_ask_recall_stats_and_sessions(tmp_path, capsys):
     assert len(answer["answer"].split()) == 4 and len(answer["recalled"]) == 3
     assert answer["recalled"][0]["document"] == str(doc.resolve())
     assert answer["plan"]["budget_tokens"] > 0
+    assert answer["plan"]["theta"] == {"k": 4, "s": 16, "n": 1, "m": 0, "w": 64}  # the fixed default
+    assert answer["plan"]["context_tokens"] > answer["plan"]["budget_tokens"]
+    assert cli.main(["ask", "1 2 3", "--store", store, "--show-recall", "--max-new-tokens", "2"]) == 0
+    assert "theta: k=4 events, s=16 tokens each" in capsys.readouterr().out
 
     assert cli.main(["ask", "1 2 3", "--store", store, "--json", "--max-new-tokens", "2", "--budget-tokens", "5"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["budget_tokens"] == 0  # the window alone is over 5 tokens
@@ -131,3 +135,29 @@ def test_ctrl_c_then_the_same_command_resumes(tmp_path, capsys, monkeypatch):
     # The resumed bar counts from where it resumed: no negative rate from the tokens stored before.
     rates = [int(r.replace(",", "")) for r in re.findall(r"(-?[\d,]+) tok/s", captured.err)]
     assert rates and min(rates) >= 0
+
+
+def test_calibrate_fit_only_writes_coefficients_an_ask_can_use(tmp_path, capsys):
+    work = tmp_path / "work"
+    work.mkdir()
+    rows = []
+    for i in range(8):
+        for k, score in ((1, 0.2), (4, 0.6 + 0.02 * i)):
+            rows.append({"sample": f"s{i}", "task": "t", "length": 0, "seed": i,
+                         "theta": {"k": k, "s": 16, "n": 1, "m": 0, "w": 64}, "features": [i, 0.5, 1, 0.0, 0.1],
+                         "reply": "", "score": score, "context_tokens": 100 + 16 * k})
+    (work / "observations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "allocation.json"
+    assert cli.main(["calibrate", "--fit-only", "--work-dir", str(work), "--out", str(out),
+                     "--model-id", "tiny-llama"]) == 0
+    printed = capsys.readouterr().out
+    assert "R^2" in printed and "no_interaction" in printed and out.exists()
+    assert cli.main(["calibrate", "--fit-only", "--work-dir", str(tmp_path / "empty"), "--out", str(out)]) == 1
+    assert "no observations" in capsys.readouterr().err
+
+    store = str(tmp_path / "store")
+    assert cli.main(["ingest", str(_doc(tmp_path / "doc.txt")), "--store", store]) == 0
+    assert cli.main(["ask", "1 2 3", "--store", store, "--json", "--max-new-tokens", "2", "--allocation", "model",
+                     "--coefficients", str(out)]) == 0
+    plan = json.loads(capsys.readouterr().out.splitlines()[-1])["plan"]
+    assert plan["theta"] is not None and len(plan["features"]) == 5

@@ -1,0 +1,157 @@
+"""Inference parameters theta in the answer path, on tiny models: the window an answer attends to, pinned
+events and tokens, demonstrations, recall rounds, the limit, questions sharing one total, fitted coefficients."""
+
+import json
+
+import pytest
+import torch
+
+from engramkv import ConfigError, EngineConfig, InputError, Theta
+from engramkv.answering import DEMONSTRATIONS, Answerer, allocation_model
+from engramkv.config import AllocationConfig, RecallConfig, SegmentationConfig, WindowConfig
+from engramkv.retrieval.allocation import FEATURES, PARAMETERS, AllocationModel
+from engramkv.retrieval.question import RecallPlan
+
+from conftest import VOCAB, tiny_pair
+
+CFG = EngineConfig(
+    window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
+    recall=RecallConfig(budget_tokens=96, answer_budget_tokens=48, answer_hits=2),
+    segmentation=SegmentationConfig(min_event=4, max_event=24),
+    allocation=AllocationConfig(k=[1, 2, 4], s=[8, 16, 32], n=[1, 2], m=[0, 1], w=[0, 16, 64], draft_tokens=3),
+)
+
+
+def _text(n, seed=0):
+    ids = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return " ".join(map(str, ids))
+
+
+def _session(config=CFG, seed=0, n=600):
+    _, lm = tiny_pair("llama", config)
+    session = lm.session()
+    session.ingest(_text(n, seed))
+    return lm, session
+
+
+def test_a_window_from_the_turn_skips_every_local_token():
+    # Recall off: with the whole local window skipped, a step reads the sinks and its own tokens only, so
+    # two streams with the same first tokens (the sinks) and different text after give the same logits.
+    cfg = CFG.model_copy(update={"recall": CFG.recall.model_copy(update={"enabled": False})})
+    head = _text(8, 9)
+    one, two = tiny_pair("llama", cfg)[1].session(), tiny_pair("llama", cfg)[1].session()
+    one.ingest(head + " " + _text(300, 1))
+    two.ingest(head + " " + _text(300, 2))
+    assert torch.equal(one.state.layers[0].sink_k, two.state.layers[0].sink_k)
+    prompt = torch.tensor([5, 6, 7, 8])
+    skip_one = one.state.step(prompt, RecallPlan(None, 0, window_from=one.state.n_tokens))
+    skip_two = two.state.step(prompt, RecallPlan(None, 0, window_from=two.state.n_tokens))
+    torch.testing.assert_close(skip_one, skip_two)
+    whole_one = one.state.step(prompt, RecallPlan(None, 0))
+    whole_two = two.state.step(prompt, RecallPlan(None, 0))
+    assert not torch.allclose(whole_one, whole_two)  # with the window attended, the local text matters
+
+
+def test_a_window_from_before_the_local_window_changes_nothing():
+    _, one = _session(seed=3)
+    _, two = _session(seed=3)
+    prompt = torch.tensor([9, 10, 11])
+    plain = one.state.step(prompt, RecallPlan(None, 40))
+    early = two.state.step(prompt, RecallPlan(None, 40, window_from=two.state.stream.local_start - 5))
+    torch.testing.assert_close(plain, early, rtol=0, atol=0)
+
+
+def test_the_default_theta_is_the_fixed_recall():
+    _, session = _session()
+    session.chat("1 2 3")
+    default = Answerer.default_for(CFG)
+    assert default == Theta(k=2, s=24, n=1, m=0, w=64)
+    assert session.last_plan.theta == default
+    assert len(session.last_plan.hits) <= 2
+    assert session.last_plan.budget == 48
+
+
+@pytest.mark.parametrize("theta", [Theta(1, 8, 1, 0, 0), Theta(4, 32, 1, 0, 16), Theta(2, 16, 2, 0, 64),
+                                   Theta(2, 16, 1, 1, 64)])
+def test_an_answer_takes_the_theta_it_is_given(theta):
+    _, session = _session()
+    before = session.tokens_ingested
+    session.chat("4 5 6", theta=theta, max_new_tokens=4)
+    plan = session.last_plan
+    assert plan.theta == theta
+    assert len(plan.hits) <= theta.k * theta.n
+    if plan.events:
+        assert sum(session.memory.event(e).length for e in plan.events) <= min(theta.k * theta.s * theta.n, 96)
+    if theta.w < 64:
+        assert plan.window_from is not None
+    demo_tokens = len(session._answerer.demonstration_ids[theta.m])
+    assert session.tokens_ingested - before >= demo_tokens + 3  # the demonstrations and the turn join the stream
+    assert len(plan.features) == len(FEATURES)
+
+
+def test_a_limit_bounds_the_context_of_any_theta():
+    _, session = _session()
+    for limit in (120, 200, 400):
+        session.chat("7 8 9", theta=Theta(4, 32, 2, 1, 64), budget_tokens=limit, max_new_tokens=2)
+        assert session.last_plan.context_tokens <= limit
+
+
+def test_a_theta_outside_its_ranges_is_an_input_error():
+    _, session = _session()
+    with pytest.raises(InputError):
+        session.chat("1 2", theta=Theta(0, 8, 1, 0, 0))
+    with pytest.raises(InputError):
+        session.chat("1 2", theta=Theta(1, 8, 1, len(DEMONSTRATIONS) + 1, 0))
+
+
+def _coefficients(tmp_path, model_id="tiny-llama", a=None):
+    model = AllocationModel(a=a or [0.5, 0.2, 0.0, 0.0, -0.1], b=[[0.0] * len(FEATURES) for _ in PARAMETERS],
+                            c=-1.0, eps=0.01)
+    path = tmp_path / "coefficients.json"
+    path.write_text(json.dumps({"model_id": model_id, "model": model.model_dump()}))
+    return path
+
+
+def test_the_model_mode_chooses_theta_within_the_limit(tmp_path):
+    cfg = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(
+        update={"mode": "model", "coefficients": str(_coefficients(tmp_path))})})
+    _, session = _session(cfg)
+    session.chat("1 2 3", budget_tokens=180, max_new_tokens=2)
+    plan = session.last_plan
+    assert plan.theta in session._answerer.grid
+    assert plan.context_tokens <= 180
+    # more events and tokens per event help under these coefficients: with room, it takes more
+    session.chat("1 2 3", budget_tokens=5000, max_new_tokens=2)
+    assert session.last_plan.theta.k * session.last_plan.theta.s >= plan.theta.k * plan.theta.s
+
+
+def test_ask_many_spends_at_most_its_total(tmp_path):
+    for mode in ("fixed", "model"):
+        cfg = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(
+            update={"mode": mode, "coefficients": str(_coefficients(tmp_path))})})
+        _, session = _session(cfg)
+        questions = ["1 2 3", "40 41", "7 7 7 7"]
+        answers = session.ask_many(questions, total_tokens=1200, max_new_tokens=2)
+        assert [a.question for a in answers] == questions
+        assert sum(a.context_tokens for a in answers) <= 1200
+        assert all(a.theta is not None for a in answers)
+        with pytest.raises(InputError):
+            session.ask_many(questions, total_tokens=30)
+        with pytest.raises(InputError):
+            session.ask_many([], total_tokens=1000)
+
+
+def test_coefficients_of_another_model_or_shape_are_refused(tmp_path):
+    cfg = AllocationConfig(mode="model", coefficients=str(_coefficients(tmp_path, model_id="other/model")))
+    with pytest.raises(ConfigError, match="fitted for other/model"):
+        allocation_model(cfg, "tiny-llama")
+    with pytest.raises(ConfigError, match="no file"):
+        allocation_model(AllocationConfig(mode="model", coefficients=str(tmp_path / "missing.json")), "tiny-llama")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not a coefficients file"):
+        allocation_model(AllocationConfig(mode="model", coefficients=str(bad)), "tiny-llama")
+    short = _coefficients(tmp_path, a=[0.1, 0.2])
+    with pytest.raises(ConfigError, match="shape"):
+        allocation_model(AllocationConfig(mode="model", coefficients=str(short)), "tiny-llama")
+    assert allocation_model(AllocationConfig(), "tiny-llama") is None  # mode "fixed" reads nothing

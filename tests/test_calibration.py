@@ -1,0 +1,98 @@
+"""`engramkv calibrate` on a tiny model: every sample answered under every theta of the design from its
+store, resumable; the fit's report; coefficients a session can load."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from engramkv import EngineConfig, InputError, Theta, calibrate
+from engramkv.answering import allocation_model
+from engramkv.calibration import design, fit_observations, run
+from engramkv.config import AllocationConfig, CalibrationConfig, RecallConfig, SegmentationConfig, WindowConfig
+from engramkv.retrieval.allocation import AllocationModel
+from engramkv.tasks import CALIBRATION_SEEDS, cut_repeats
+
+from conftest import VOCAB, IntTokenizer, tiny_pair
+
+
+class ModTokenizer(IntTokenizer):
+    """The tasks' 5- and 7-digit numbers, folded into the tiny vocabulary."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [i % VOCAB for i in super().encode(text, add_special_tokens)]
+
+CFG = EngineConfig(
+    window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
+    recall=RecallConfig(budget_tokens=96, answer_budget_tokens=48, answer_hits=2),
+    segmentation=SegmentationConfig(min_event=4, max_event=24),
+    allocation=AllocationConfig(k=[1, 2], s=[8, 16], n=[1, 2], m=[0, 1], w=[0, 64], draft_tokens=2),
+    calibration=CalibrationConfig(tasks=["passkey", "niah-single"], lengths=[300], samples=2, design_size=2,
+                                  holdout=2, max_new_tokens=3),
+)
+
+
+def test_every_sample_is_answered_under_the_design_once_and_a_rerun_resumes(tmp_path):
+    _, lm = tiny_pair("llama", CFG)
+    lm.tokenizer = ModTokenizer()
+    observations = tmp_path / "observations.jsonl"
+    assert run(lm, CFG, tmp_path, observations, lambda line: None) == 4 * 3  # 4 samples x (default + 2)
+    rows = [json.loads(line) for line in observations.read_text().splitlines()]
+    assert {row["seed"] for row in rows} == {CALIBRATION_SEEDS, CALIBRATION_SEEDS + 1}  # not the evaluation's
+    assert {tuple(row["theta"].values()) for row in rows} == {tuple(t.__dict__.values()) for t in design(
+        CFG, Theta(2, 24, 1, 0, 64))}
+    assert all(len(row["features"]) == 5 and 0 <= row["score"] <= 1 for row in rows)
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # each sample's store is gone once answered
+    # the same theta twice from the read-only store: the same reply (no answer sees another)
+    first = {(r["sample"], json.dumps(r["theta"])): r["reply"] for r in rows}
+    observations.write_text(observations.read_text()[:-40])  # a kill cut the last line short
+    assert run(lm, CFG, tmp_path, observations, lambda line: None) == 1
+    again = [json.loads(line) for line in observations.read_text().splitlines()]
+    assert len(again) == 12
+    last = again[-1]
+    assert first[(last["sample"], json.dumps(last["theta"]))] == last["reply"]
+    assert run(lm, CFG, tmp_path, observations, lambda line: None) == 0
+
+
+def _synthetic_observations(path, truth, n_samples=40):
+    rng = random.Random(0)
+    thetas = design(EngineConfig(), Theta(4, 128, 1, 0, 1024))
+    with path.open("w") as out:
+        for i in range(n_samples):
+            features = [rng.uniform(0, 4), rng.random(), rng.randint(0, 5), rng.uniform(-0.05, 0.05),
+                        rng.uniform(-2, 2)]
+            for theta in thetas:
+                score = truth.predict(theta, torch.tensor(features, dtype=torch.float64))
+                out.write(json.dumps({"sample": f"s{i}", "task": "t", "length": 0, "seed": i,
+                                      "theta": theta.__dict__, "features": features, "reply": "",
+                                      "score": score, "context_tokens": theta.k * theta.s * theta.n}) + "\n")
+
+
+def test_the_fit_reports_held_out_quality_and_writes_loadable_coefficients(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    truth = AllocationModel(a=(torch.randn(5, generator=g) * 0.3).tolist(),
+                            b=(torch.randn(5, 5, generator=g) * 0.05).tolist(), c=-0.3, eps=0.01)
+    _synthetic_observations(tmp_path / "observations.jsonl", truth)
+    exact = EngineConfig(allocation=AllocationConfig(score_clip=1e-6, ridge=0.0))  # nothing shrinks the fit
+    report = calibrate(None, exact, tmp_path / "coefficients.json", tmp_path, fit_only=True,
+                       model_id="tiny-llama")
+    assert set(report.fits) == {"model", "no_interaction", "linear"}
+    assert report.fits["model"].r2 > 0.99  # noise-free scores from the model's own form
+    assert report.fits["model"].mse <= report.fits["no_interaction"].mse
+    assert report.held_out == 10 * 17 and report.observations == 30 * 17
+    loaded = allocation_model(AllocationConfig(mode="model", coefficients=str(tmp_path / "coefficients.json")),
+                              "tiny-llama")
+    assert loaded == report.model
+    assert report.held_out_context["model"] <= report.held_out_context["best_fixed"]
+
+
+def test_a_fit_without_observations_is_an_input_error(tmp_path):
+    (tmp_path / "observations.jsonl").write_text("")
+    with pytest.raises(InputError):
+        fit_observations(EngineConfig(), "m", tmp_path / "observations.jsonl")
+
+
+def test_a_degenerate_reply_is_cut_at_its_repeat():
+    assert cut_repeats(" The pass key is the pass key." * 8) == " The pass key is the pass key. The pass key is the pass key."
+    assert cut_repeats(" 12345. Remember it. 12345.") == " 12345. Remember it. 12345."
