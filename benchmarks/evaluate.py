@@ -31,7 +31,7 @@ from typing import Any
 from _common import CODE, RESULTS, ROOT, write_results
 from engramkv.config import ModelConfig
 from engramkv.hf import load_pretrained
-from evalkit.systems import DEFAULT_SYSTEMS, OPTIONAL_SYSTEMS, SYSTEMS, Models, system_config
+from evalkit.systems import ALLOCATION_SYSTEMS, DEFAULT_SYSTEMS, OPTIONAL_SYSTEMS, SYSTEMS, Models, system_config
 from engramkv.tasks import TASKS
 
 QUICK_LENGTH = 2048
@@ -45,8 +45,9 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=None, choices=list(TASKS), metavar="TASK",
                         help="default: all (with --quick: " + ", ".join(QUICK_TASKS) + ")")
-    parser.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS, choices=list(SYSTEMS), metavar="SYSTEM",
-                        help="default: " + " ".join(DEFAULT_SYSTEMS) + " (also: " + " ".join(OPTIONAL_SYSTEMS) + ")")
+    parser.add_argument("--systems", nargs="+", default=DEFAULT_SYSTEMS, choices=[*SYSTEMS, "allocation"],
+                        metavar="SYSTEM", help="default: " + " ".join(DEFAULT_SYSTEMS) + " (also: " +
+                        " ".join(OPTIONAL_SYSTEMS) + "; 'allocation': " + " ".join(ALLOCATION_SYSTEMS) + ")")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--samples", type=int, default=1, help="samples per task and length (default 1)")
     parser.add_argument("--full-max", type=int, default=16384,
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     if args.quick:
         args.lengths, args.samples = [QUICK_LENGTH], 1
     args.tasks = args.tasks or (QUICK_TASKS if args.quick else list(TASKS))
+    if "allocation" in args.systems:
+        args.systems = list(dict.fromkeys(s for name in args.systems
+                                          for s in (ALLOCATION_SYSTEMS if name == "allocation" else [name])))
 
     model, tokenizer, model_id = load_pretrained(ModelConfig(name_or_path=args.model))
     models = Models(model, tokenizer, model_id)
@@ -166,8 +170,10 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
     lines += ["## Speed and memory (means over all runs of a system at each length)", "",
               "Added RSS: the process's peak during the run minus its resident memory when the run began (the "
               "process holds the model twice, the embedding model and the harness, so its total says little).", "",
-              "| system | length | ingest tok/s | first token s | decode tok/s | added RSS MB |",
-              "|---|---|---|---|---|---|"]
+              "Answer context: the effective context an engramkv answer attended to (sinks, attended window, "
+              "turn, recalled tokens; `RecallPlan.context_tokens`).", "",
+              "| system | length | ingest tok/s | first token s | decode tok/s | added RSS MB | answer context |",
+              "|---|---|---|---|---|---|---|"]
     for system in systems:
         for n in lengths:
             mine = [r for r in runs if r["system"] == system and r["length"] == n]
@@ -178,7 +184,8 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
             lines.append(
                 f"| {system} | {n:,} | {ingest_cell} | {_mean([r['first_token_s'] for r in mine]):.2f} | "
                 f"{_mean([r['decode_tokens_per_s'] for r in mine]):.1f} | "
-                f"{max(r['peak_rss_mb'] - r.get('rss_before_mb', 0.0) for r in mine):,.0f} |"
+                f"{max(r['peak_rss_mb'] - r.get('rss_before_mb', 0.0) for r in mine):,.0f} | "
+                f"{_context_cell(mine)} |"
             )
     recalling = [s for s in systems if any(r.get("answers_in_recalled") is not None for r in runs if r["system"] == s)]
     if recalling:
@@ -248,6 +255,11 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     scale = 1 + z * z / n
     return max(0.0, (centre - half) / scale), min(1.0, (centre + half) / scale)
+
+
+def _context_cell(runs: list[dict[str, Any]]) -> str:
+    tokens = [r["answer_context_tokens"] for r in runs if r.get("answer_context_tokens") is not None]
+    return f"{_mean(tokens):,.0f}" if tokens else "-"
 
 
 def _mean(values: list[float]) -> float:

@@ -66,6 +66,7 @@ def test_ingest_chat_and_switch_sessions(tmp_path):
             answers = _texts(app, ".assistant")
             assert len(answers) == 1 and len(answers[0].split()) == 6  # six streamed tokens of the tiny model
             assert "#" in str(app.query_one("#recalled", Static).render())  # recalled events listed
+            assert "k=" in str(app.query_one("#recalled", Static).render())  # with the theta the answer took
             assert "^" in str(app.query_one("#surprise", Static).render())
 
             await _submit(pilot, app, "/session other")

