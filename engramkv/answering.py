@@ -71,8 +71,9 @@ class Answerer:
                  model: AllocationModel | None):
         self.state, self.memory, self.cfg, self.tokenizer, self.model = state, memory, cfg, tokenizer, model
         alloc = cfg.allocation
-        self.grid = [Theta(k, s, n, m, w) for k in alloc.k for s in alloc.s for n in alloc.n for m in alloc.m
-                     for w in alloc.w if m <= len(DEMONSTRATIONS)]
+        grid = [Theta(k, s, n, m, w) for k in alloc.k for s in alloc.s for n in alloc.n for m in alloc.m
+                for w in alloc.w if m <= len(DEMONSTRATIONS)]
+        self.grid = model.candidates(grid) if model is not None else grid  # the thetas a choice is made among
         self.demonstration_ids = [list(tokenizer.encode(demonstration_text(m), add_special_tokens=False))
                                   for m in range(len(DEMONSTRATIONS) + 1)]
 

@@ -37,10 +37,13 @@ from engramkv.tasks import CALIBRATION_SEEDS, TASKS, Sample
 
 
 class FitReport(BaseModel):
-    """One fit's quality on the held-out samples (score scale)."""
+    """One fit's quality on the held-out samples (score scale): per answer, and per cell (the mean over the
+    held-out samples of one task, length and theta, as the paper scores its fit)."""
 
     r2: float
     mse: float
+    r2_cells: float
+    mse_cells: float
 
 
 class CalibrationReport(BaseModel):
@@ -156,8 +159,15 @@ def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> Ca
         "no_interaction": allocation.fit(*columns(train), a, with_interaction=False),
         "linear": allocation.fit(*columns(train), a, link="linear"),
     }
-    fits = {name: FitReport(**dict(zip(("r2", "mse"), allocation.r_squared(m, *columns(test)))))
-            for name, m in fitted.items()}
+    cells = [(row["task"], row["length"], json.dumps(row["theta"])) for row in test]
+    fits = {}
+    for name, m in fitted.items():
+        r2, mse = allocation.r_squared(m, *columns(test))
+        r2_cells, mse_cells = allocation.r_squared(m, *columns(test), groups=cells)
+        fits[name] = FitReport(r2=r2, mse=mse, r2_cells=r2_cells, mse_cells=mse_cells)
+    observed = [[*row["theta"].values()] for row in rows]
+    design_thetas = [list(t) for t in sorted({tuple(t) for t in observed})]
+    fitted = {name: m.model_copy(update={"thetas": design_thetas}) for name, m in fitted.items()}
     default = Answerer.default_for(cfg)
 
     def mean_by_theta(part: list[dict[str, Any]]) -> dict[Theta, float]:

@@ -199,7 +199,11 @@ class AllocationConfig(_Strict):
     score_clip: float = Field(
         default=0.02, gt=0, lt=0.5, description="Scores are clipped to [clip, 1 - clip] before the logit of the fit."
     )
-    ridge: float = Field(default=1e-3, ge=0, description="Ridge term of the least-squares fit (numerical safety).")
+    ridge: float = Field(
+        default=1.0, ge=0,
+        description="Ridge term of the least-squares fit, on standardised features (the intercept is not shrunk): "
+        "the features vary per sample, so a few dozen calibration samples fit B's 25 entries.",
+    )
 
     @model_validator(mode="after")
     def _grid_values(self) -> AllocationConfig:

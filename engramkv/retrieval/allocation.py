@@ -85,6 +85,12 @@ class AllocationModel(BaseModel):
     c: float
     eps: float
     link: Literal["logit", "linear"] = "logit"
+    # The thetas it was calibrated on (k, s, n, m, w each): answers choose among these, not the whole grid
+    # (None: the config's grid), since the fit says nothing of combinations it never saw.
+    thetas: list[list[int]] | None = None
+
+    def candidates(self, grid: Sequence[Theta]) -> list[Theta]:
+        return [Theta(*t) for t in self.thetas] if self.thetas else list(grid)
 
     def logit(self, theta: Theta, info: torch.Tensor) -> float:
         """The linear predictor (the logit of the score under the "logit" link)."""
@@ -111,10 +117,15 @@ def design_row(theta: Theta, info: torch.Tensor, eps: float, with_interaction: b
 def fit(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence[float], cfg: AllocationConfig,
         with_interaction: bool = True, link: Literal["logit", "linear"] = "logit") -> AllocationModel:
     """Least squares on logit(clip(score)) (or on the score, link "linear"); without the interaction B is
-    zero (the paper's ablation)."""
+    zero (the paper's ablation). The ridge acts on features standardised over the observations (a count and
+    a cosine margin differ by orders of magnitude); the coefficients returned are for the raw features."""
     if not thetas or not len(thetas) == len(infos) == len(scores):
         raise InputError("fit needs as many thetas, feature vectors and scores, at least one")
-    x = torch.stack([design_row(t, i, cfg.eps, with_interaction) for t, i in zip(thetas, infos)])  # (N, R)
+    raw = torch.stack([i.double() for i in infos])  # (N, F)
+    mean, std = raw.mean(dim=0), raw.std(dim=0, unbiased=False)
+    std = torch.where(std > 1e-9, std, torch.ones_like(std))  # a constant feature stays as it is
+    x = torch.stack([design_row(t, (i.double() - mean) / std, cfg.eps, with_interaction)
+                     for t, i in zip(thetas, infos)])  # (N, R)
     p = torch.tensor(scores, dtype=torch.float64)
     if link == "logit":
         p = p.clamp(cfg.score_clip, 1 - cfg.score_clip)
@@ -124,17 +135,27 @@ def fit(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence
     ridge = cfg.ridge * torch.eye(x.shape[1], dtype=torch.float64)
     ridge[-1, -1] = 0.0  # the intercept is not shrunk
     coef = torch.linalg.solve(x.T @ x + ridge, x.T @ y)  # (R,)
-    n_params, n_features = len(PARAMETERS), infos[0].numel()
+    n_params, n_features = len(PARAMETERS), raw.shape[1]
     a = coef[:n_params]
-    b = coef[n_params:-1].view(n_params, n_features) if with_interaction else torch.zeros(n_params, n_features)
-    return AllocationModel(a=a.tolist(), b=b.tolist(), c=float(coef[-1]), eps=cfg.eps, link=link)
+    b = (coef[n_params:-1].view(n_params, n_features) if with_interaction
+         else torch.zeros(n_params, n_features, dtype=torch.float64))
+    # slope = a + B (i - mean) / std = (a - B (mean / std)) + (B / std) i
+    return AllocationModel(a=(a - b @ (mean / std)).tolist(), b=(b / std).tolist(), c=float(coef[-1]),
+                           eps=cfg.eps, link=link)
 
 
 def r_squared(model: AllocationModel, thetas: Sequence[Theta], infos: Sequence[torch.Tensor],
-              scores: Sequence[float]) -> tuple[float, float]:
-    """(R^2, MSE) of the model's predicted scores against observed ones (on the score scale)."""
+              scores: Sequence[float], groups: Sequence[object] | None = None) -> tuple[float, float]:
+    """(R^2, MSE) of the model's predicted scores against observed ones (on the score scale); with `groups`
+    (one label per observation), of the group means instead (the paper fits and scores averaged metrics)."""
     predicted = torch.tensor([model.predict(t, i) for t, i in zip(thetas, infos)], dtype=torch.float64)
     observed = torch.tensor(scores, dtype=torch.float64)
+    if groups is not None:
+        labels = sorted(set(groups), key=str)
+        index = torch.tensor([labels.index(g) for g in groups])
+        counts = torch.zeros(len(labels), dtype=torch.float64).index_add_(0, index, torch.ones_like(observed))
+        predicted = torch.zeros(len(labels), dtype=torch.float64).index_add_(0, index, predicted) / counts
+        observed = torch.zeros(len(labels), dtype=torch.float64).index_add_(0, index, observed) / counts
     mse = float(((predicted - observed) ** 2).mean())
     variance = float(((observed - observed.mean()) ** 2).mean())
     return (1.0 - mse / variance if variance > 0 else float("nan")), mse
