@@ -38,13 +38,14 @@ from engramkv.retrieval import allocation, question
 from engramkv.retrieval.allocation import AllocationModel, Theta
 from engramkv.retrieval.question import QuestionMatch, RecallPlan
 
-# Worked examples of reading a fact and answering with it in its own words; none shares a topic with
-# the evaluation's tasks.
+# Worked examples of reading a fact and answering with it in its own words; none shares a topic, or a
+# telling word, with the evaluation's tasks (a demonstration about a "key" was measured to turn pass key
+# answers into "The pass key is the pass key.").
 DEMONSTRATIONS = (
     ("The night ferry to the island leaves from pier 14 at 22:40.",
      "From which pier does the night ferry leave?", "Pier 14."),
-    ("Marta keeps her spare bicycle key under the blue flower pot.",
-     "Where is Marta's spare bicycle key?", "Under the blue flower pot."),
+    ("The bakery on Elm Street closes at six on Saturdays.",
+     "When does the Elm Street bakery close on Saturdays?", "At six."),
     ("The museum's new wing was designed by the architect Lena Varga.",
      "Who designed the museum's new wing?", "Lena Varga."),
 )

@@ -8,9 +8,10 @@ theta, fit `retrieval.allocation`'s model, and report it on held-out samples.
    under every theta of the design, each time from the store opened read-only, so no answer sees another.
 3. Each answer is one JSON line of the observations file (sample, theta, features, reply, score, context
    tokens); a run skips the answers the file already holds, so it resumes where it stopped.
-4. The fit leaves every `holdout`-th sample out; on those it reports R^2 and MSE of the model and of the
-   ablations (no interaction: B = 0; linear instead of logit), and the held-out mean score of the model's
-   choice against the default theta and against the best single theta of the fitted samples.
+4. The fit is cross-validated over samples (`holdout` folds): each sample's answers are predicted by a fit
+   without it, giving R^2 and MSE of the model and of the ablations (no interaction: B = 0; linear instead
+   of logit), and each sample is answered by that fit's choice, against the default theta and the best
+   single theta of the other samples. The coefficients written are fitted on every sample.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ class CalibrationReport(BaseModel):
     """What a calibration wrote and measured; `model` is what `allocation.mode = "model"` answers with."""
 
     model_id: str
-    model: AllocationModel
+    model: AllocationModel  # fitted on every observation
     observations: int  # answers fitted on
-    held_out: int  # answers of the held-out samples
+    held_out: int  # answers predicted out of fold (each sample's by a fit without it)
     fits: dict[str, FitReport]  # "model", "no_interaction", "linear"
     design: list[dict[str, int]]  # the thetas every sample was answered under
     default_theta: dict[str, int]
@@ -136,57 +137,82 @@ def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
     return added
 
 
+def _columns(part: list[dict[str, Any]]) -> tuple[list[Theta], list[torch.Tensor], list[float]]:
+    return ([Theta(**row["theta"]) for row in part], [torch.tensor(row["features"], dtype=torch.float64)
+                                                      for row in part], [float(row["score"]) for row in part])
+
+
+def _fits(part: list[dict[str, Any]], cfg: EngineConfig) -> dict[str, AllocationModel]:
+    a = cfg.allocation
+    return {"model": allocation.fit(*_columns(part), a),
+            "no_interaction": allocation.fit(*_columns(part), a, with_interaction=False),
+            "linear": allocation.fit(*_columns(part), a, link="linear")}
+
+
+def _best_fixed(part: list[dict[str, Any]]) -> Theta:
+    """The theta of the best mean score over `part` (ties: the fewest memory tokens)."""
+    by: dict[Theta, list[float]] = {}
+    for row in part:
+        by.setdefault(Theta(**row["theta"]), []).append(float(row["score"]))
+    return max(by, key=lambda t: (sum(by[t]) / len(by[t]), -t.k * t.s * t.n))
+
+
 def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> CalibrationReport:
-    """Fit the allocation model on `observations` (every holdout-th sample left out) and report it."""
+    """Fit the allocation model on `observations` and report it, cross-validated over samples: the samples are
+    cut into `holdout` folds; each fold is predicted, and answered by the model's choice, from a fit on the
+    others (and the best fixed theta chosen on the others). The model returned is fitted on every sample."""
     rows = _rows(observations)
     if not rows:
         raise InputError(f"{observations} holds no observations; run `engramkv calibrate` without --fit-only")
     keys = sorted({row["sample"] for row in rows})
-    held = {key for i, key in enumerate(keys) if i % cfg.calibration.holdout == cfg.calibration.holdout - 1}
-    train = [row for row in rows if row["sample"] not in held]
-    test = [row for row in rows if row["sample"] in held]
-    if not train or not test:
-        raise InputError(f"{len(keys)} samples are too few to hold every {cfg.calibration.holdout}th out")
-
-    def columns(part: list[dict[str, Any]]) -> tuple[list[Theta], list[torch.Tensor], list[float]]:
-        return ([Theta(**row["theta"]) for row in part],
-                [torch.tensor(row["features"], dtype=torch.float64) for row in part],
-                [float(row["score"]) for row in part])
-
-    a = cfg.allocation
-    fitted = {
-        "model": allocation.fit(*columns(train), a),
-        "no_interaction": allocation.fit(*columns(train), a, with_interaction=False),
-        "linear": allocation.fit(*columns(train), a, link="linear"),
-    }
-    cells = [(row["task"], row["length"], json.dumps(row["theta"])) for row in test]
-    fits = {}
-    for name, m in fitted.items():
-        r2, mse = allocation.r_squared(m, *columns(test))
-        r2_cells, mse_cells = allocation.r_squared(m, *columns(test), groups=cells)
-        fits[name] = FitReport(r2=r2, mse=mse, r2_cells=r2_cells, mse_cells=mse_cells)
-    observed = [[*row["theta"].values()] for row in rows]
-    design_thetas = [list(t) for t in sorted({tuple(t) for t in observed})]
-    fitted = {name: m.model_copy(update={"thetas": design_thetas}) for name, m in fitted.items()}
+    folds = cfg.calibration.holdout
+    if len(keys) < folds:
+        raise InputError(f"{len(keys)} samples are too few for {folds} folds (calibration.holdout)")
+    fold_of = {key: i % folds for i, key in enumerate(keys)}
     default = Answerer.default_for(cfg)
-
-    def mean_by_theta(part: list[dict[str, Any]]) -> dict[Theta, float]:
-        by: dict[Theta, list[float]] = {}
-        for row in part:
-            by.setdefault(Theta(**row["theta"]), []).append(float(row["score"]))
-        return {theta: sum(v) / len(v) for theta, v in by.items()}
-
-    train_means = mean_by_theta(train)
-    best_fixed = max(train_means, key=lambda t: (train_means[t], -t.k * t.s * t.n))
-    chosen = _held_out_choice(fitted["model"], test, default, best_fixed)
+    predicted: dict[str, list[tuple[dict[str, Any], AllocationModel]]] = {"model": [], "no_interaction": [], "linear": []}
+    chosen: dict[str, list[dict[str, Any]]] = {"default": [], "best_fixed": [], "model": []}
+    for fold in range(folds):
+        train = [row for row in rows if fold_of[row["sample"]] != fold]
+        test = [row for row in rows if fold_of[row["sample"]] == fold]
+        fitted = _fits(train, cfg)
+        for name, model in fitted.items():
+            predicted[name] += [(row, model) for row in test]
+        for name, picked in _held_out_choice(fitted["model"], test, default, _best_fixed(train)).items():
+            chosen[name] += picked
+    fits = {}
+    for name, pairs in predicted.items():
+        per_answer = _pooled_r2(pairs, lambda row: id(row))
+        per_cell = _pooled_r2(pairs, lambda row: (row["task"], row["length"], json.dumps(row["theta"])))
+        fits[name] = FitReport(r2=per_answer[0], mse=per_answer[1], r2_cells=per_cell[0], mse_cells=per_cell[1])
+    design_thetas = [list(t) for t in sorted({tuple(row["theta"].values()) for row in rows})]
+    model = _fits(rows, cfg)["model"].model_copy(update={"thetas": design_thetas})
     return CalibrationReport(
-        model_id=model_id, model=fitted["model"], observations=len(train), held_out=len(test), fits=fits,
+        model_id=model_id, model=model, observations=len(rows), held_out=len(rows), fits=fits,
         design=[json.loads(t) for t in sorted({json.dumps(row["theta"]) for row in rows})],
-        default_theta=asdict(default), best_fixed_theta=asdict(best_fixed),
+        default_theta=asdict(default), best_fixed_theta=asdict(_best_fixed(rows)),
         held_out_scores={name: _mean([r["score"] for r in picked]) for name, picked in chosen.items()},
         held_out_context={name: _mean([r["context_tokens"] for r in picked]) for name, picked in chosen.items()},
-        config={"allocation": a.model_dump(), "calibration": cfg.calibration.model_dump()},
+        config={"allocation": cfg.allocation.model_dump(), "calibration": cfg.calibration.model_dump()},
     )
+
+
+def _pooled_r2(pairs: list[tuple[dict[str, Any], AllocationModel]], cell: Callable[[dict[str, Any]], object]
+               ) -> tuple[float, float]:
+    """(R^2, MSE) of out-of-fold predictions (each answer by the model fitted without its sample), over the
+    means of `cell` groups."""
+    predicted: dict[object, list[float]] = {}
+    observed: dict[object, list[float]] = {}
+    for row, model in pairs:
+        key = cell(row)
+        features = torch.tensor(row["features"], dtype=torch.float64)
+        predicted.setdefault(key, []).append(model.predict(Theta(**row["theta"]), features))
+        observed.setdefault(key, []).append(float(row["score"]))
+    p = torch.tensor([_mean(v) for v in predicted.values()], dtype=torch.float64)
+    o = torch.tensor([_mean(observed[k]) for k in predicted], dtype=torch.float64)
+    mse = float(((p - o) ** 2).mean())
+    variance = float(((o - o.mean()) ** 2).mean())
+    return (1.0 - mse / variance if variance > 0 else float("nan")), mse
 
 
 def _mean(values: list[float]) -> float:

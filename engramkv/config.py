@@ -220,7 +220,8 @@ class CalibrationConfig(_Strict):
     """What `engramkv calibrate` (`calibration.calibrate`) runs to fit the allocation model."""
 
     tasks: list[str] = Field(
-        default=["passkey", "niah-single", "niah-multikey", "niah-multivalue", "niah-multiquery", "conversation"],
+        default=["passkey", "niah-single", "niah-multikey", "niah-multivalue", "niah-multiquery", "conversation",
+                 "facts"],
         min_length=1, description="Calibration tasks (`engramkv.tasks`).",
     )
     lengths: list[int] = Field(default=[4096, 8192], min_length=1, description="Document lengths in tokens.")

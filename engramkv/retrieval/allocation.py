@@ -60,15 +60,16 @@ def cost(theta: Theta, fixed_tokens: int, demonstration_tokens: int, window_cap:
 
 def informativeness(scores: torch.Tensor, window_margin: float, i_doc: float) -> torch.Tensor:  # (F,)
     """Cheap features of a question's match scores over the events (N,), known before it is answered:
-    the top-1 margin over the background (in std), the entropy of softmax(scores) over log N, the
-    count above mean + 2 std, the window-versus-memory margin, and i_doc (the change in the first
-    answer token's log-probability with one recalled event against none)."""
+    the top-1 margin over the background (in std), the entropy of softmax(z-scores) over log N (the raw
+    scores, mean cosines a few hundredths apart, would give a uniform softmax for every question), the
+    count above mean + 2 std, the window-versus-memory margin, and i_doc (the change in the first answer
+    token's log-probability with one recalled event against none)."""
     s = scores.double()
     if s.numel() < 2:
         return torch.tensor([0.0, 0.0, 0.0, window_margin, i_doc], dtype=torch.float64)
     mean, std = s.mean(), s.std().clamp(min=1e-9)
     margin = (s.max() - mean) / std
-    p = torch.softmax(s, dim=0)
+    p = torch.softmax((s - mean) / std, dim=0)
     entropy = -(p * p.clamp(min=1e-30).log()).sum() / torch.log(torch.tensor(float(s.numel())))
     above = (s > mean + 2 * std).sum()
     return torch.tensor([float(margin), float(entropy), float(above), window_margin, i_doc], dtype=torch.float64)
