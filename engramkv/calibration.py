@@ -76,8 +76,11 @@ def samples(cfg: EngineConfig, tokenizer: Any) -> list[Sample]:
     unknown = sorted(set(c.tasks) - set(TASKS))
     if unknown:
         raise InputError(f"unknown calibration tasks {unknown}; known: {sorted(TASKS)}")
-    return [TASKS[task](tokenizer, length, CALIBRATION_SEEDS + i)
-            for task in c.tasks for length in c.lengths for i in range(c.samples)]
+    try:
+        return [TASKS[task](tokenizer, length, CALIBRATION_SEEDS + i)
+                for task in c.tasks for length in c.lengths for i in range(c.samples)]
+    except FileNotFoundError as err:  # the facts task's corpus is not installed
+        raise InputError(f"{err} (or leave facts out: --tasks ...)") from err
 
 
 def _key(sample: Sample) -> str:

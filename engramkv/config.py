@@ -231,7 +231,10 @@ class CalibrationConfig(_Strict):
         "theta: every sample is answered under all of them.",
     )
     design_seed: int = 0
-    holdout: int = Field(default=4, ge=2, description="Every holdout-th sample is held out of the fit.")
+    holdout: int = Field(
+        default=4, ge=2, description="Folds of the cross-validation over samples: each sample's answers are "
+        "predicted, and chosen for, by a fit without its fold.",
+    )
     max_new_tokens: int = Field(default=64, ge=1)
 
 

@@ -80,7 +80,7 @@ def test_the_fit_reports_held_out_quality_and_writes_loadable_coefficients(tmp_p
     assert set(report.fits) == {"model", "no_interaction", "linear"}
     assert report.fits["model"].r2 > 0.99  # noise-free scores from the model's own form
     assert report.fits["model"].mse <= report.fits["no_interaction"].mse
-    assert report.held_out == 10 * 17 and report.observations == 30 * 17
+    assert report.held_out == report.observations == 40 * 17  # each sample predicted by a fit without it
     loaded = allocation_model(AllocationConfig(mode="model", coefficients=str(tmp_path / "coefficients.json")),
                               "tiny-llama")
     assert loaded == report.model
@@ -96,3 +96,11 @@ def test_a_fit_without_observations_is_an_input_error(tmp_path):
 def test_a_degenerate_reply_is_cut_at_its_repeat():
     assert cut_repeats(" The pass key is the pass key." * 8) == " The pass key is the pass key. The pass key is the pass key."
     assert cut_repeats(" 12345. Remember it. 12345.") == " 12345. Remember it. 12345."
+
+
+def test_a_missing_facts_corpus_is_an_input_error_that_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGRAMKV_FACTS_CORPUS", str(tmp_path / "nowhere"))
+    _, lm = tiny_pair("llama", CFG)
+    cfg = CFG.model_copy(update={"calibration": CFG.calibration.model_copy(update={"tasks": ["facts"]})})
+    with pytest.raises(InputError, match="debian-handbook"):
+        run(lm, cfg, tmp_path, tmp_path / "observations.jsonl", lambda line: None)
