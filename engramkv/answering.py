@@ -62,7 +62,6 @@ class Assessment:
 
     matched: QuestionMatch
     features: torch.Tensor  # (F,) informativeness (`allocation.FEATURES`)
-    question_keys: torch.Tensor  # (S, Hkv, C, D) at the summary layers
 
 
 class Answerer:
@@ -108,7 +107,7 @@ class Answerer:
         margin = matched.window - matched.hits[0][1] if matched.hits else 0.0
         i_doc = self._i_doc(ids, matched) if with_i_doc and self.cfg.allocation.i_doc else 0.0
         features = allocation.informativeness(torch.tensor(matched.scores), margin, i_doc)
-        return Assessment(matched, features, keys)
+        return Assessment(matched, features)
 
     def _i_doc(self, ids: torch.Tensor, matched: QuestionMatch) -> float:
         """The change in the first answer token's log-probability with the best event against none."""

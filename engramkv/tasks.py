@@ -261,7 +261,7 @@ def conversation(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
 FACTS_CORPUS = "/usr/share/doc/debian-handbook/html/en-US"
 _FIRST = ("Ines", "Tomasz", "Ayodele", "Grete", "Matthias", "Leila", "Oskar", "Noor", "Benedikt", "Chiara")
 _CITIES = ("Lisbon", "Ostrava", "Nantes", "Utrecht", "Bilbao", "Turku", "Ljubljana", "Cork", "Bremen", "Varna")
-_COLOURS = ("green", "orange", "purple", "yellow", "grey", "red", "white", "brown")
+_COLOURS = ("green", "blue", "purple", "yellow", "grey", "red", "white", "brown")
 _DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday")
 _MACHINES = ("heron", "walrus", "marigold", "basalt", "comet", "thistle", "otter", "juniper")
 # (fact, the question in other words, answer) with {slots} filled from the seed

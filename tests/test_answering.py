@@ -155,3 +155,16 @@ def test_coefficients_of_another_model_or_shape_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="shape"):
         allocation_model(AllocationConfig(mode="model", coefficients=str(short)), "tiny-llama")
     assert allocation_model(AllocationConfig(), "tiny-llama") is None  # mode "fixed" reads nothing
+
+
+def test_a_fit_with_its_calibrated_thetas_chooses_among_those_alone(tmp_path):
+    calibrated = [[1, 8, 1, 0, 0], [2, 16, 1, 1, 64]]
+    model = AllocationModel(a=[0.5, 0.2, 0.0, 0.0, -0.1], b=[[0.0] * len(FEATURES) for _ in PARAMETERS], c=-1.0,
+                            eps=0.01, thetas=calibrated)
+    path = tmp_path / "coefficients.json"
+    path.write_text(json.dumps({"model_id": "tiny-llama", "model": model.model_dump()}))
+    cfg = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(
+        update={"mode": "model", "coefficients": str(path)})})
+    _, session = _session(cfg)
+    session.chat("1 2 3", max_new_tokens=2)
+    assert [*session.last_plan.theta.__dict__.values()] in calibrated

@@ -103,7 +103,11 @@ def test_every_task_makes_a_sample_of_about_its_length_with_its_answers_in_it(de
         assert sample.answers and all(answer in text for answer in sample.answers), name
         assert sample.score(" and ".join(sample.answers)) == 1.0 and sample.score("no idea") == 0.0
         assert make(tokenizer, length, 3) == sample  # seeded
-        assert make(tokenizer, length, 4).answers != sample.answers, name
+        other = make(tokenizer, length, 4)
+        if name == "facts":  # few answers per kind of fact: two seeds may draw the same fact, ten hardly
+            assert len({make(tokenizer, 512, seed).meta["fact"] for seed in range(10)}) >= 5
+        else:
+            assert other.answers != sample.answers, name
 
 
 @pytest.mark.slow
