@@ -63,21 +63,26 @@ def main() -> None:
              f"{len(rows)} answers: {len(samples)} calibration samples (seeds from 100000, disjoint from the "
              f"evaluation's) x {len(by_theta)} thetas, each asked as a chat turn from the sample's store opened "
              "read-only. Observations written by: " + "; ".join(f"`{c}`" for c in args.ran or ["(this script)"])
-             + f". Fitted on {report.observations} answers, {report.held_out} held out (every "
-             f"{cfg.calibration.holdout}th sample).", "",
-             "## Fit on the held-out samples", "",
+             + f". Cross-validated over samples in {cfg.calibration.holdout} folds: each sample's "
+             f"{report.held_out // len(samples)} answers predicted, and answered by the model's choice, from a fit "
+             "without its fold; the coefficients shipped are fitted on all of them.", "",
+             "## Fit, out of fold", "",
              "`model`: logit(P) = (a + B i)^T log(theta + eps) + c; `no_interaction`: B = 0 (the paper's ablation); "
-             "`linear`: the same regressors fitted to P itself. Per cell: the mean over the held-out samples of "
-             "one task, length and theta. The paper reports R^2 0.903 for its generator's averaged metrics.", "",
+             "`linear`: the same regressors fitted to P itself. Per cell: predicted and observed scores averaged "
+             "over the samples of one task, length and theta. The paper reports R^2 0.903 for its generator's "
+             "averaged metrics.", "",
              "| fit | R^2 per answer | MSE per answer | R^2 per cell | MSE per cell |", "|---|---|---|---|---|"]
     for name, fit in report.fits.items():
         lines.append(f"| {name} | {fit.r2:+.3f} | {fit.mse:.4f} | {fit.r2_cells:+.3f} | {fit.mse_cells:.4f} |")
-    lines += ["", "## Held-out samples: the model's choice against fixed thetas", "",
-              "Per held-out sample: the answer under the default theta, under the best fixed theta of the fitted "
-              "samples, and under the model's choice among the design within the best fixed theta's context.", "",
-              "| theta | mean score | mean context tokens |", "|---|---|---|"]
+    lines += ["", "## The model's choice against fixed thetas, out of fold", "",
+              "Per sample: the answer under the default theta, under the best fixed theta of the other folds, and "
+              "under the choice of the other folds' model among the design within that theta's context.", "",
+              "| theta | mean score (n; 95% interval) | mean context tokens |", "|---|---|---|"]
     for name in report.held_out_scores:
-        lines.append(f"| {name} | {report.held_out_scores[name]:.3f} | {report.held_out_context[name]:,.0f} |")
+        mean = report.held_out_scores[name]
+        lo, hi = wilson(mean, len(samples))
+        lines.append(f"| {name} | {mean:.3f} ({len(samples)}; {lo:.2f}-{hi:.2f}) | "
+                     f"{report.held_out_context[name]:,.0f} |")
     lines += ["", f"Default theta {report.default_theta}; best fixed theta {report.best_fixed_theta}.", "",
               "## Score per theta (all samples)", "", "| k | s | n | m | w | score (n; 95% interval) |",
               "|---|---|---|---|---|---|"]
