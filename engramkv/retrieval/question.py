@@ -103,7 +103,7 @@ def assess(
 ) -> QuestionMatch:
     """The question's best `k` hits, the scores of all candidates, and what the resident window offers
     (cut into pieces as long as the spans of the first `answer_hits` hits, whatever `k`)."""
-    voted = [event_id for event_id, _ in votes(recalled_per_layer)[: cfg.rerank_candidates]]
+    voted = _voted(recalled_per_layer, cfg)
     hits, scores = rank_question(memory, question_keys, layers, k, cfg.rerank_candidates, also=voted,
                                  neighbours=cfg.match_neighbours)
     window = window_score(memory, hits[: cfg.answer_hits], resident_keys, question_keys, cfg.match_neighbours)
@@ -142,9 +142,8 @@ def match(
 ) -> list[tuple[int, float]]:
     """The best `k` (event id, score) for a question; the events the layers' query recall chose are
     re-ranked too, most voted first (a summary search alone can be crowded out)."""
-    voted = [event_id for event_id, _ in votes(recalled_per_layer)[: cfg.rerank_candidates]]
-    return match_question(memory, question_keys, layers, k, cfg.rerank_candidates, also=voted,
-                          neighbours=cfg.match_neighbours)
+    return match_question(memory, question_keys, layers, k, cfg.rerank_candidates,
+                          also=_voted(recalled_per_layer, cfg), neighbours=cfg.match_neighbours)
 
 
 def window_score(
@@ -162,6 +161,11 @@ def window_score(
     span_tokens = max(1, round(span_tokens / len(matches)))
     owner = torch.arange(resident_keys[0].shape[1]) // span_tokens  # (R,)
     return float(token_match(resident_keys, owner, int(owner[-1]) + 1, question_keys).max())
+
+
+def _voted(recalled_per_layer: Iterable[list[int]], cfg: RecallConfig) -> list[int]:
+    """The events the layers' query recall chose, most voted first: re-ranked beside the summary search's."""
+    return [event_id for event_id, _ in votes(recalled_per_layer)[: cfg.rerank_candidates]]
 
 
 def votes(chosen_per_layer: Iterable[list[int]]) -> list[tuple[int, int]]:
