@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -70,19 +71,31 @@ def main() -> None:
              "`model`: logit(P) = (a + B i)^T log(theta + eps) + c; `no_interaction`: B = 0 (the paper's ablation); "
              "`linear`: the same regressors fitted to P itself. Per cell: predicted and observed scores averaged "
              "over the samples of one task, length and theta. The paper reports R^2 0.903 for its generator's "
-             "averaged metrics.", "",
-             "| fit | R^2 per answer | MSE per answer | R^2 per cell | MSE per cell |", "|---|---|---|---|---|"]
+             "averaged metrics. Ridge: the term each fit on all samples kept (of "
+             f"{cfg.allocation.ridge}, by the least held-out MSE; inside each fold, chosen on that fold's "
+             "training samples alone).", "",
+             "| fit | R^2 per answer | MSE per answer | R^2 per cell | MSE per cell | ridge |",
+             "|---|---|---|---|---|---|"]
     for name, fit in report.fits.items():
-        lines.append(f"| {name} | {fit.r2:+.3f} | {fit.mse:.4f} | {fit.r2_cells:+.3f} | {fit.mse_cells:.4f} |")
+        lines.append(f"| {name} | {fit.r2:+.3f} | {fit.mse:.4f} | {fit.r2_cells:+.3f} | {fit.mse_cells:.4f} | "
+                     f"{fit.ridge:g} |")
     lines += ["", "## The model's choice against fixed thetas, out of fold", "",
               "Per sample: the answer under the default theta, under the best fixed theta of the other folds, and "
-              "under the choice of the other folds' model among the design within that theta's context.", "",
-              "| theta | mean score (n; 95% interval) | mean context tokens |", "|---|---|---|"]
+              "under the choice of the other folds' model among the design: `model` within the best fixed "
+              "theta's context, `model_within_default` within the default's (an answer's limit when "
+              "`allocation.mode` is \"model\"). Against default: samples the choice answered better / worse "
+              "than the default theta did, and the two-sided sign test's p.", "",
+              "| theta | mean score (n; 95% interval) | mean context tokens | against default |",
+              "|---|---|---|---|"]
+    base = report.held_out_per_sample["default"]
     for name in report.held_out_scores:
-        mean = report.held_out_scores[name]
-        lo, hi = wilson(mean, len(samples))
-        lines.append(f"| {name} | {mean:.3f} ({len(samples)}; {lo:.2f}-{hi:.2f}) | "
-                     f"{report.held_out_context[name]:,.0f} |")
+        mean, per_sample = report.held_out_scores[name], report.held_out_per_sample[name]
+        lo, hi = wilson(mean, len(per_sample))
+        better = sum(x > y for x, y in zip(per_sample, base))
+        worse = sum(x < y for x, y in zip(per_sample, base))
+        versus = "-" if name == "default" else f"{better} / {worse} (p {sign_test(better, worse):.3f})"
+        lines.append(f"| {name} | {mean:.3f} ({len(per_sample)}; {lo:.2f}-{hi:.2f}) | "
+                     f"{report.held_out_context[name]:,.0f} | {versus} |")
     lines += ["", f"Default theta {report.default_theta}; best fixed theta {report.best_fixed_theta}.", "",
               "## Score per theta (all samples)", "", "| k | s | n | m | w | score (n; 95% interval) |",
               "|---|---|---|---|---|---|"]
@@ -100,6 +113,15 @@ def main() -> None:
     payload = {"report": report.model_dump(mode="json"), "ran": args.ran,
                "observations": observations.name, "coefficients": coefficients.name}
     write_results(out, args.name, payload, "\n".join(lines) + "\n", cfg)
+
+
+def sign_test(better: int, worse: int) -> float:
+    """Two-sided exact sign test of `better` against `worse` paired outcomes (ties left out)."""
+    n = better + worse
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(better, worse) + 1)) / 2**n
+    return min(1.0, 2 * tail)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel
@@ -45,6 +45,7 @@ class FitReport(BaseModel):
     mse: float
     r2_cells: float
     mse_cells: float
+    ridge: float  # the ridge term its fit on every sample kept
 
 
 class CalibrationReport(BaseModel):
@@ -54,12 +55,13 @@ class CalibrationReport(BaseModel):
     model: AllocationModel  # fitted on every observation
     observations: int  # answers fitted on
     held_out: int  # answers predicted out of fold (each sample's by a fit without it)
-    fits: dict[str, FitReport]  # "model", "no_interaction", "linear"
+    fits: dict[str, FitReport]  # per name of `FITS`
     design: list[dict[str, int]]  # the thetas every sample was answered under
     default_theta: dict[str, int]
     best_fixed_theta: dict[str, int]  # the best mean score over the fitted samples
-    held_out_scores: dict[str, float]  # mean held-out score: "default", "best_fixed", "model"
+    held_out_scores: dict[str, float]  # mean held-out score per name of `CHOICES`
     held_out_context: dict[str, float]  # mean effective context tokens of the same answers
+    held_out_per_sample: dict[str, list[float]]  # the same answers' scores, one per sample in one order
     config: dict[str, Any]  # the allocation and calibration settings
 
 
@@ -145,11 +147,19 @@ def _columns(part: list[dict[str, Any]]) -> tuple[list[Theta], list[torch.Tensor
                                                       for row in part], [float(row["score"]) for row in part])
 
 
+FITS: dict[str, tuple[bool, Literal["logit", "linear"]]] = {  # name: (with the interaction B i, link)
+    "model": (True, "logit"), "no_interaction": (False, "logit"), "linear": (True, "linear")}
+
+
 def _fits(part: list[dict[str, Any]], cfg: EngineConfig) -> dict[str, AllocationModel]:
-    a = cfg.allocation
-    return {"model": allocation.fit(*_columns(part), a),
-            "no_interaction": allocation.fit(*_columns(part), a, with_interaction=False),
-            "linear": allocation.fit(*_columns(part), a, link="linear")}
+    """The model and its two ablations fitted on `part`, each with the ridge term that predicts `part`'s own
+    held-out samples best (an inner cross-validation: the samples scored outside `part` never choose it)."""
+    a, columns, groups = cfg.allocation, _columns(part), [row["sample"] for row in part]
+    fitted = {}
+    for name, (with_interaction, link) in FITS.items():
+        ridge = allocation.select_ridge(*columns, groups, a, cfg.calibration.holdout, with_interaction, link)
+        fitted[name] = allocation.fit(*columns, a, ridge, with_interaction, link)
+    return fitted
 
 
 def _best_fixed(part: list[dict[str, Any]]) -> Theta:
@@ -173,8 +183,8 @@ def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> Ca
         raise InputError(f"{len(keys)} samples are too few for {folds} folds (calibration.holdout)")
     fold_of = {key: i % folds for i, key in enumerate(keys)}
     default = Answerer.default_for(cfg)
-    predicted: dict[str, list[tuple[dict[str, Any], AllocationModel]]] = {"model": [], "no_interaction": [], "linear": []}
-    chosen: dict[str, list[dict[str, Any]]] = {"default": [], "best_fixed": [], "model": []}
+    predicted: dict[str, list[tuple[dict[str, Any], AllocationModel]]] = {name: [] for name in FITS}
+    chosen: dict[str, list[dict[str, Any]]] = {name: [] for name in CHOICES}
     for fold in range(folds):
         train = [row for row in rows if fold_of[row["sample"]] != fold]
         test = [row for row in rows if fold_of[row["sample"]] == fold]
@@ -183,19 +193,22 @@ def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> Ca
             predicted[name] += [(row, model) for row in test]
         for name, picked in _held_out_choice(fitted["model"], test, default, _best_fixed(train)).items():
             chosen[name] += picked
+    everything = _fits(rows, cfg)
     fits = {}
     for name, pairs in predicted.items():
         per_answer = _pooled_r2(pairs, lambda row: id(row))
         per_cell = _pooled_r2(pairs, lambda row: (row["task"], row["length"], json.dumps(row["theta"])))
-        fits[name] = FitReport(r2=per_answer[0], mse=per_answer[1], r2_cells=per_cell[0], mse_cells=per_cell[1])
+        fits[name] = FitReport(r2=per_answer[0], mse=per_answer[1], r2_cells=per_cell[0], mse_cells=per_cell[1],
+                               ridge=everything[name].ridge)
     design_thetas = [list(t) for t in sorted({tuple(row["theta"].values()) for row in rows})]
-    model = _fits(rows, cfg)["model"].model_copy(update={"thetas": design_thetas})
+    model = everything["model"].model_copy(update={"thetas": design_thetas})
     return CalibrationReport(
         model_id=model_id, model=model, observations=len(rows), held_out=len(rows), fits=fits,
         design=[json.loads(t) for t in sorted({json.dumps(row["theta"]) for row in rows})],
         default_theta=asdict(default), best_fixed_theta=asdict(_best_fixed(rows)),
         held_out_scores={name: _mean([r["score"] for r in picked]) for name, picked in chosen.items()},
         held_out_context={name: _mean([r["context_tokens"] for r in picked]) for name, picked in chosen.items()},
+        held_out_per_sample={name: [r["score"] for r in picked] for name, picked in chosen.items()},
         config={"allocation": cfg.allocation.model_dump(), "calibration": cfg.calibration.model_dump()},
     )
 
@@ -222,24 +235,29 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")  # nan: no held-out sample has that theta
 
 
+CHOICES = ("default", "best_fixed", "model", "model_within_default")
+
+
 def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default: Theta,
                      best_fixed: Theta) -> dict[str, list[dict[str, Any]]]:
     """Per held-out sample, the answer under the default theta, under the best fixed one, and under the
-    model's choice among the design's thetas within the best fixed one's context (no more tokens)."""
+    model's choice among the design's thetas: within the best fixed one's context (no more tokens), and
+    within the default's (the limit an answer has when `allocation.mode` is "model")."""
     by_sample: dict[str, dict[Theta, dict[str, Any]]] = {}
     for row in test:
         by_sample.setdefault(row["sample"], {})[Theta(**row["theta"])] = row
-    picked: dict[str, list[dict[str, Any]]] = {"default": [], "best_fixed": [], "model": []}
+    picked: dict[str, list[dict[str, Any]]] = {name: [] for name in CHOICES}
     for answers in by_sample.values():
         if default not in answers or best_fixed not in answers:
             continue
-        limit = answers[best_fixed]["context_tokens"]
-        feasible = [t for t, row in answers.items() if row["context_tokens"] <= limit]
         features = torch.tensor(answers[default]["features"], dtype=torch.float64)
-        choice = max(feasible, key=lambda t: (model.logit(t, features), -answers[t]["context_tokens"]))
+        for name, limit in (("model", answers[best_fixed]["context_tokens"]),
+                            ("model_within_default", answers[default]["context_tokens"])):
+            feasible = [t for t, row in answers.items() if row["context_tokens"] <= limit]
+            choice = max(feasible, key=lambda t: (model.logit(t, features), -answers[t]["context_tokens"]))
+            picked[name].append(answers[choice])
         picked["default"].append(answers[default])
         picked["best_fixed"].append(answers[best_fixed])
-        picked["model"].append(answers[choice])
     return picked
 
 

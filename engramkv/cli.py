@@ -163,9 +163,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"fitted on {report.observations} answers, held out {report.held_out}; wrote {args.out}")
     for name, fit in report.fits.items():
         print(f"  {name:15s} R^2 {fit.r2:+.3f}  MSE {fit.mse:.4f} per answer; R^2 {fit.r2_cells:+.3f}  "
-              f"MSE {fit.mse_cells:.4f} per task, length and theta (held-out samples)")
+              f"MSE {fit.mse_cells:.4f} per task, length and theta (held-out samples); ridge {fit.ridge:g}")
     for name, score in report.held_out_scores.items():
-        print(f"  held-out mean score, {name:10s} {score:.3f} at {report.held_out_context[name]:.0f} context tokens")
+        print(f"  held-out mean score, {name:20s} {score:.3f} at {report.held_out_context[name]:.0f} context tokens")
     print(f"  best fixed theta {report.best_fixed_theta}; default {report.default_theta}")
     return 0
 

@@ -197,12 +197,14 @@ class AllocationConfig(_Strict):
     )
     eps: float = Field(default=0.01, gt=0, description="log(theta + eps): keeps a zero parameter finite (the paper's).")
     score_clip: float = Field(
-        default=0.02, gt=0, lt=0.5, description="Scores are clipped to [clip, 1 - clip] before the logit of the fit."
+        default=0.02, gt=0, lt=0.5, description="The fit starts from the logit of the mean score clipped to [clip, 1 - clip]."
     )
-    ridge: float = Field(
-        default=1.0, ge=0,
-        description="Ridge term of the least-squares fit, on standardised features (the intercept is not shrunk): "
-        "the features vary per sample, so a few dozen calibration samples fit B's 25 entries.",
+    ridge: list[float] = Field(
+        default=[0.1, 1.0, 10.0, 100.0, 1000.0], min_length=1,
+        description="Ridge terms tried by the least-squares fit, on standardised features (the intercept is not "
+        "shrunk); the fit keeps the one of least held-out MSE (cross-validation over samples, "
+        "`calibration.holdout` folds). The features vary per sample, not per answer, so a few dozen "
+        "calibration samples carry B's 25 entries: the data decide how far to shrink them.",
     )
 
     @model_validator(mode="after")
@@ -213,6 +215,8 @@ class AllocationConfig(_Strict):
         for name in ("m", "w"):
             if min(getattr(self, name)) < 0:
                 raise ConfigError(f"allocation.{name}: values must be 0 or more")
+        if min(self.ridge) < 0:
+            raise ConfigError("allocation.ridge: values must be 0 or more")
         return self
 
 

@@ -15,6 +15,7 @@ from engramkv.retrieval.allocation import (
     design_row,
     fit,
     informativeness,
+    select_ridge,
 )
 
 CFG = AllocationConfig()
@@ -43,12 +44,47 @@ def test_the_fit_recovers_known_coefficients_from_synthetic_data():
         thetas.append(theta)
         infos.append(info)
         scores.append(truth.predict(theta, info))  # noise-free: exact recovery up to the clip and the ridge
-    fitted = fit(thetas, infos, scores, AllocationConfig(score_clip=1e-6, ridge=0.0))
+    fitted = fit(thetas, infos, scores, AllocationConfig(score_clip=1e-6), ridge=0.0)
     assert torch.allclose(torch.tensor(fitted.a), torch.tensor(truth.a), atol=1e-6)
     assert torch.allclose(torch.tensor(fitted.b), torch.tensor(truth.b), atol=1e-6)
     assert abs(fitted.c - truth.c) < 1e-6
-    plain = fit(thetas, infos, scores, CFG, with_interaction=False)  # the ablation: B = 0
+    plain = fit(thetas, infos, scores, CFG, ridge=1.0, with_interaction=False)  # the ablation: B = 0
     assert torch.count_nonzero(torch.tensor(plain.b)) == 0
+
+
+def _synthetic(truth, n, seed, noise_only=False):
+    rng = random.Random(seed)
+    thetas, infos, scores, groups = [], [], [], []
+    for i in range(n):
+        theta = rng.choice(GRID)
+        info = torch.tensor([rng.uniform(0, 4), rng.uniform(0, 1), rng.randint(0, 5), rng.uniform(-0.05, 0.05),
+                             rng.uniform(-2, 2)], dtype=torch.float64)
+        thetas.append(theta)
+        infos.append(info)
+        scores.append(float(rng.random() < 0.5) if noise_only else truth.predict(theta, info))
+        groups.append(i // 20)  # twenty answers per "sample"
+    return thetas, infos, scores, groups
+
+
+def test_the_ridge_kept_is_none_for_exact_data_and_the_strongest_for_noise():
+    cfg = AllocationConfig(score_clip=1e-6, ridge=[0.0, 1e4])
+    exact = _synthetic(_known_model(), 400, seed=4)
+    assert select_ridge(*exact, cfg, folds=4) == 0.0
+    noise = _synthetic(_known_model(), 400, seed=5, noise_only=True)  # scores owe nothing to theta or i
+    assert select_ridge(*noise, cfg, folds=4) == 1e4
+    fitted = fit(*exact[:3], cfg, ridge=0.0)
+    assert fitted.ridge == 0.0
+
+
+def test_features_outside_the_fitted_range_predict_as_at_its_edge():
+    thetas, infos, scores, _ = _synthetic(_known_model(), 300, seed=6)
+    fitted = fit(thetas, infos, scores, CFG, ridge=1.0)
+    edge = torch.tensor(fitted.high, dtype=torch.float64)
+    far = edge + torch.tensor([40.0, 3.0, 50.0, 1.0, 9.0], dtype=torch.float64)
+    theta = Theta(4, 128, 2, 1, 1024)
+    assert fitted.logit(theta, far) == fitted.logit(theta, edge)
+    assert fitted.logit(theta, torch.tensor(fitted.low, dtype=torch.float64) - 10) == fitted.logit(
+        theta, torch.tensor(fitted.low, dtype=torch.float64))
 
 
 def test_the_design_row_is_the_model_written_out():

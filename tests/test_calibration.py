@@ -74,7 +74,7 @@ def test_the_fit_reports_held_out_quality_and_writes_loadable_coefficients(tmp_p
     truth = AllocationModel(a=(torch.randn(5, generator=g) * 0.3).tolist(),
                             b=(torch.randn(5, 5, generator=g) * 0.05).tolist(), c=-0.3, eps=0.01)
     _synthetic_observations(tmp_path / "observations.jsonl", truth)
-    exact = EngineConfig(allocation=AllocationConfig(score_clip=1e-6, ridge=0.0))  # nothing shrinks the fit
+    exact = EngineConfig(allocation=AllocationConfig(score_clip=1e-6, ridge=[0.0]))  # nothing shrinks the fit
     report = calibrate(None, exact, tmp_path / "coefficients.json", tmp_path, fit_only=True,
                        model_id="tiny-llama")
     assert set(report.fits) == {"model", "no_interaction", "linear"}

@@ -8,11 +8,12 @@ is answered (match-score features, `informativeness`). The model, with eps = `Al
     logit(P) = (a + B i)^T log(theta + eps) + c          a (P,), B (P, F), c scalar
 
 B generalises the paper's elementwise `b * i` to features that are not one per parameter (B diagonal
-with F = P is the paper's form). It is linear in its coefficients, so it is fitted by least squares
-on logit(P), P clipped away from 0 and 1. Cost of theta = sinks + attended window + k * s * n + prompt +
-demonstrations (effective context tokens). `choose` takes the best predicted theta within a limit;
-`allocate` shares one limit among many questions, each step of budget going to the question with the
-best predicted gain per token.
+with F = P is the paper's form). It is fitted by least squares of P (the scores are 0/1 or a share per
+answer, so on the score scale through the logit link), with a ridge term chosen by cross-validation
+over samples (`select_ridge`); a question's features are clamped into the range the fit saw. Cost of theta =
+sinks + attended window + k * s * n + prompt + demonstrations (effective context tokens). `choose`
+takes the best predicted theta within a limit; `allocate` shares one limit among many questions, each
+step of budget going to the question with the best predicted gain per token.
 
 `answering` uses it when `AllocationConfig.mode` is "model"; the coefficients come from `engramkv
 calibrate` (`calibration`), and those fitted for the embedded model ship in the package.
@@ -89,6 +90,11 @@ class AllocationModel(BaseModel):
     # The thetas it was calibrated on (k, s, n, m, w each): answers choose among these, not the whole grid
     # (None: the config's grid), since the fit says nothing of combinations it never saw.
     thetas: list[list[int]] | None = None
+    # The range of each feature over the calibration (F,) each: a question's features are clamped into it,
+    # as a line fitted on 2-13 events above the background says nothing of 40 (None: no clamp).
+    low: list[float] | None = None
+    high: list[float] | None = None
+    ridge: float | None = None  # the ridge term the fit kept (a record)
 
     def candidates(self, grid: Sequence[Theta]) -> list[Theta]:
         return [Theta(*t) for t in self.thetas] if self.thetas else list(grid)
@@ -96,7 +102,10 @@ class AllocationModel(BaseModel):
     def logit(self, theta: Theta, info: torch.Tensor) -> float:
         """The linear predictor (the logit of the score under the "logit" link)."""
         a, b = torch.tensor(self.a, dtype=torch.float64), torch.tensor(self.b, dtype=torch.float64)
-        slope = a + b @ info.double()  # (P,)
+        info = info.double()
+        if self.low is not None and self.high is not None:
+            info = info.clamp(torch.tensor(self.low, dtype=torch.float64), torch.tensor(self.high, dtype=torch.float64))
+        slope = a + b @ info  # (P,)
         return float(slope @ torch.log(theta.vector() + self.eps) + self.c)
 
     def predict(self, theta: Theta, info: torch.Tensor) -> float:
@@ -116,10 +125,12 @@ def design_row(theta: Theta, info: torch.Tensor, eps: float, with_interaction: b
 
 
 def fit(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence[float], cfg: AllocationConfig,
-        with_interaction: bool = True, link: Literal["logit", "linear"] = "logit") -> AllocationModel:
-    """Least squares on logit(clip(score)) (or on the score, link "linear"); without the interaction B is
-    zero (the paper's ablation). The ridge acts on features standardised over the observations (a count and
-    a cosine margin differ by orders of magnitude); the coefficients returned are for the raw features."""
+        ridge: float, with_interaction: bool = True, link: Literal["logit", "linear"] = "logit") -> AllocationModel:
+    """Ridge least squares of the predicted score against the observed one: through the logit link
+    (Gauss-Newton), or of the regressors on the score itself (link "linear", closed form). Without the
+    interaction B is zero (the paper's ablation). The ridge acts on features standardised over the
+    observations (a count and a cosine margin differ by orders of magnitude); the coefficients returned
+    are for the raw features."""
     if not thetas or not len(thetas) == len(infos) == len(scores):
         raise InputError("fit needs as many thetas, feature vectors and scores, at least one")
     raw = torch.stack([i.double() for i in infos])  # (N, F)
@@ -127,22 +138,73 @@ def fit(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence
     std = torch.where(std > 1e-9, std, torch.ones_like(std))  # a constant feature stays as it is
     x = torch.stack([design_row(t, (i.double() - mean) / std, cfg.eps, with_interaction)
                      for t, i in zip(thetas, infos)])  # (N, R)
-    p = torch.tensor(scores, dtype=torch.float64)
+    y = torch.tensor(scores, dtype=torch.float64)  # (N,)
+    shrunk = torch.ones(x.shape[1], dtype=torch.float64)
+    shrunk[-1] = 0.0  # the intercept is not shrunk
     if link == "logit":
-        p = p.clamp(cfg.score_clip, 1 - cfg.score_clip)
-        y = torch.log(p / (1 - p))  # (N,)
+        coef = _gauss_newton(x, y, ridge * shrunk, cfg.score_clip)
     else:
-        y = p
-    ridge = cfg.ridge * torch.eye(x.shape[1], dtype=torch.float64)
-    ridge[-1, -1] = 0.0  # the intercept is not shrunk
-    coef = torch.linalg.solve(x.T @ x + ridge, x.T @ y)  # (R,)
+        coef = torch.linalg.lstsq(x.T @ x + torch.diag(ridge * shrunk), x.T @ y).solution  # (R,)
     n_params, n_features = len(PARAMETERS), raw.shape[1]
     a = coef[:n_params]
     b = (coef[n_params:-1].view(n_params, n_features) if with_interaction
          else torch.zeros(n_params, n_features, dtype=torch.float64))
     # slope = a + B (i - mean) / std = (a - B (mean / std)) + (B / std) i
     return AllocationModel(a=(a - b @ (mean / std)).tolist(), b=(b / std).tolist(), c=float(coef[-1]),
-                           eps=cfg.eps, link=link)
+                           eps=cfg.eps, link=link, low=raw.min(dim=0).values.tolist(),
+                           high=raw.max(dim=0).values.tolist(), ridge=ridge)
+
+
+def _gauss_newton(x: torch.Tensor, y: torch.Tensor, penalty: torch.Tensor, clip: float,
+                  steps: int = 200) -> torch.Tensor:  # (R,)
+    """argmin_c sum (sigmoid(x c) - y)^2 + sum penalty * c^2, from the intercept at logit(mean y).
+    Least squares on logit(y) itself would fit 0/1 scores as +-logit(clip), which biases every mean; on
+    the score scale a theta answered 3 times in 10 is predicted near 0.3."""
+    coef = torch.zeros(x.shape[1], dtype=torch.float64)
+    start = y.mean().clamp(clip, 1 - clip)
+    coef[-1] = torch.log(start / (1 - start))
+    damping = 1e-3
+    loss = float(((torch.sigmoid(x @ coef) - y) ** 2).sum() + (penalty * coef**2).sum())
+    for _ in range(steps):
+        p = torch.sigmoid(x @ coef)  # (N,)
+        jac = x * (p * (1 - p))[:, None]  # (N, R)
+        grad = jac.T @ (p - y) + penalty * coef
+        hess = jac.T @ jac + torch.diag(penalty)
+        step = torch.linalg.solve(hess + damping * torch.eye(len(coef), dtype=torch.float64), grad)
+        trial = coef - step
+        trial_loss = float(((torch.sigmoid(x @ trial) - y) ** 2).sum() + (penalty * trial**2).sum())
+        if trial_loss <= loss:  # Levenberg-Marquardt: accept and trust the quadratic more, else less
+            coef, loss, damping = trial, trial_loss, max(damping / 10, 1e-12)
+            if float(step.abs().max()) < 1e-10:
+                break
+        else:
+            damping *= 10
+            if damping > 1e12:
+                break
+    return coef
+
+
+def select_ridge(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence[float],
+                 groups: Sequence[object], cfg: AllocationConfig, folds: int, with_interaction: bool = True,
+                 link: Literal["logit", "linear"] = "logit") -> float:
+    """The ridge term of `cfg.ridge` whose fits predict held-out groups best (least MSE of the predicted
+    score): the groups (one label per observation, a calibration sample) are cut into `folds`, each fitted
+    without its own. Ties go to the stronger ridge. One candidate, or fewer groups than folds: the first."""
+    labels = sorted(set(groups), key=str)
+    if len(cfg.ridge) == 1 or len(labels) < folds:
+        return cfg.ridge[0]
+    fold_of = {label: i % folds for i, label in enumerate(labels)}
+    errors: dict[float, float] = {}
+    for ridge in cfg.ridge:
+        total = 0.0
+        for fold in range(folds):
+            train = [i for i, g in enumerate(groups) if fold_of[g] != fold]
+            model = fit([thetas[i] for i in train], [infos[i] for i in train], [scores[i] for i in train], cfg,
+                        ridge, with_interaction, link)
+            total += sum((model.predict(thetas[i], infos[i]) - scores[i]) ** 2
+                         for i, g in enumerate(groups) if fold_of[g] == fold)
+        errors[ridge] = total
+    return min(errors, key=lambda r: (errors[r], -r))
 
 
 def r_squared(model: AllocationModel, thetas: Sequence[Theta], infos: Sequence[torch.Tensor],
