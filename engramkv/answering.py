@@ -148,8 +148,9 @@ class Answerer:
         if self.model is None or assessment is None:
             return self.default_theta()
         chosen = allocation.choose(self.model, self.grid, assessment.features,
-                                   limit if limit is not None else math.inf,  # type: ignore[arg-type]
-                                   lambda t: self.cost_of(t, fixed_tokens, local_tokens))
+                                   limit if limit is not None else math.inf,
+                                   lambda t: self.cost_of(t, fixed_tokens, local_tokens),
+                                   self.cfg.allocation.tolerance)
         return chosen or min(self.grid, key=lambda t: (self.cost_of(t, fixed_tokens, local_tokens), t))
 
     def recall(self, ids: list[int], k: int) -> list[tuple[int, float]]:

@@ -191,7 +191,8 @@ def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> Ca
         fitted = _fits(train, cfg)
         for name, model in fitted.items():
             predicted[name] += [(row, model) for row in test]
-        for name, picked in _held_out_choice(fitted["model"], test, default, _best_fixed(train)).items():
+        for name, picked in _held_out_choice(fitted["model"], test, default, _best_fixed(train),
+                                              cfg.allocation.tolerance).items():
             chosen[name] += picked
     everything = _fits(rows, cfg)
     fits = {}
@@ -238,8 +239,8 @@ def _mean(values: list[float]) -> float:
 CHOICES = ("default", "best_fixed", "model", "model_within_default")
 
 
-def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default: Theta,
-                     best_fixed: Theta) -> dict[str, list[dict[str, Any]]]:
+def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default: Theta, best_fixed: Theta,
+                     tolerance: float) -> dict[str, list[dict[str, Any]]]:
     """Per held-out sample, the answer under the default theta, under the best fixed one, and under the
     model's choice among the design's thetas: within the best fixed one's context (no more tokens), and
     within the default's (the limit an answer has when `allocation.mode` is "model")."""
@@ -253,9 +254,9 @@ def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default
         features = torch.tensor(answers[default]["features"], dtype=torch.float64)
         for name, limit in (("model", answers[best_fixed]["context_tokens"]),
                             ("model_within_default", answers[default]["context_tokens"])):
-            feasible = [t for t, row in answers.items() if row["context_tokens"] <= limit]
-            choice = max(feasible, key=lambda t: (model.logit(t, features), -answers[t]["context_tokens"]))
-            picked[name].append(answers[choice])
+            choice = allocation.choose(model, list(answers), features, limit,
+                                       lambda t: answers[t]["context_tokens"], tolerance)
+            picked[name].append(answers[choice])  # type: ignore[index]  # the default always fits
         picked["default"].append(answers[default])
         picked["best_fixed"].append(answers[best_fixed])
     return picked

@@ -199,6 +199,11 @@ class AllocationConfig(_Strict):
     score_clip: float = Field(
         default=0.02, gt=0, lt=0.5, description="The fit starts from the logit of the mean score clipped to [clip, 1 - clip]."
     )
+    tolerance: float = Field(
+        default=0.02, ge=0, le=1,
+        description="The model answers with the cheapest theta predicted to score within this much of the best "
+        "within the limit (0: the best predicted, whatever it costs).",
+    )
     ridge: list[float] = Field(
         default=[0.1, 1.0, 10.0, 100.0, 1000.0], min_length=1,
         description="Ridge terms tried by the least-squares fit, on standardised features (the intercept is not "

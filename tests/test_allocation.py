@@ -108,6 +108,18 @@ def test_the_chooser_never_exceeds_the_limit_and_takes_the_best_that_fits():
         assert model.logit(chosen, info) == max(model.logit(t, info) for t in feasible)
 
 
+def test_with_a_tolerance_the_cheapest_near_best_theta_is_taken():
+    model = _known_model()
+    info = torch.tensor([2.0, 0.3, 1.0, 0.0, 0.5], dtype=torch.float64)
+    for tolerance in [0.0, 0.01, 0.05, 0.2, 1.0]:
+        chosen = choose(model, GRID, info, 5000, _cost, tolerance)
+        feasible = [t for t in GRID if _cost(t) <= 5000]
+        best = max(model.predict(t, info) for t in feasible)
+        near = [t for t in feasible if model.predict(t, info) >= best - tolerance]
+        assert chosen in near and _cost(chosen) == min(_cost(t) for t in near)
+    assert choose(model, GRID, info, 5000, _cost, 1.0) == min(GRID, key=_cost)  # everything is near: cheapest
+
+
 def test_questions_sharing_a_limit_spend_at_most_it():
     model = _known_model()
     rng = random.Random(2)

@@ -224,14 +224,18 @@ def r_squared(model: AllocationModel, thetas: Sequence[Theta], infos: Sequence[t
     return (1.0 - mse / variance if variance > 0 else float("nan")), mse
 
 
-def choose(model: AllocationModel, grid: Sequence[Theta], info: torch.Tensor, limit: int,
-           cost_of: Callable[[Theta], int]) -> Theta | None:
-    """The theta of `grid` with the best predicted score whose cost is within `limit` (None: none fits);
-    ties go to the cheaper one."""
+def choose(model: AllocationModel, grid: Sequence[Theta], info: torch.Tensor, limit: float,
+           cost_of: Callable[[Theta], float], tolerance: float = 0.0) -> Theta | None:
+    """The cheapest theta of `grid` within `limit` whose predicted score is within `tolerance` of the best
+    predicted there (None: none fits); ties go to the better predicted, then the smaller theta. A gain
+    smaller than the fit can tell apart is not worth its tokens."""
     feasible = [t for t in grid if cost_of(t) <= limit]
     if not feasible:
         return None
-    return max(feasible, key=lambda t: (model.logit(t, info), -cost_of(t)))
+    predicted = {t: model.predict(t, info) for t in feasible}
+    best = max(predicted.values())
+    return min((t for t in feasible if predicted[t] >= best - tolerance),
+               key=lambda t: (cost_of(t), -predicted[t], t))
 
 
 def allocate(model: AllocationModel, grid: Sequence[Theta], infos: Sequence[torch.Tensor], total: int,
