@@ -62,6 +62,10 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--merge", nargs="+", default=[], metavar="NAME",
                         help="also keep the runs of {NAME}.json (an evaluation run in another process, on other "
                              "tasks or lengths): they count as done and are saved under --name")
+    parser.add_argument("--rerun", nargs="+", default=[], metavar="SYSTEM",
+                        help="with --resume or --merge: the runs of these systems made at another commit are "
+                             "dropped and run again (after a change that moves only them, such as new "
+                             "allocation coefficients); runs made at this commit are kept, so a resume goes on")
     return parser
 
 
@@ -74,6 +78,9 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         args.systems = list(dict.fromkeys(s for name in args.systems
                                           for s in (ALLOCATION_SYSTEMS if name == "allocation" else [name])))
 
+    unknown = sorted(set(args.rerun) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"--rerun: unknown systems {unknown}")
     model, tokenizer, model_id = load_pretrained(ModelConfig(name_or_path=args.model))
     models = Models(model, tokenizer, model_id)
     runs, commands, notes = previous_runs(args.out / f"{args.name}.json", model_id) if args.resume else ([], [], {})
@@ -83,6 +90,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         done = {_key(r) for r in runs}
         runs += [r for r in merged if _key(r) not in done]
         commands += [c for c in merged_commands if c not in commands]
+    runs = [r for r in runs if not (r["system"] in args.rerun and r["commit"] != CODE["commit"])]
     command = " ".join(["python benchmarks/evaluate.py", *_argv(args)])
     if command not in commands:  # the same command run again (a resume, a merge) is listed once
         commands.append(command)
@@ -277,7 +285,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
         return ["--quick", *name]
     return [*name, "--tasks", *args.tasks, "--systems", *args.systems, "--lengths", *map(str, args.lengths),
             "--samples", str(args.samples), "--full-max", str(args.full_max), *(["--resume"] if args.resume else []),
-            *(["--merge", *args.merge] if args.merge else [])]
+            *(["--merge", *args.merge] if args.merge else []), *(["--rerun", *args.rerun] if args.rerun else [])]
 
 
 if __name__ == "__main__":

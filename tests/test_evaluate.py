@@ -155,6 +155,18 @@ def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
     assert "seed 0: score" not in out and len(merged["runs"]) == len(runs)
     assert "other command" in merged["commands"] and "`other command`" in (tmp_path / "quick.md").read_text()
 
+    # --rerun measures again the runs of a system made at another commit, and keeps those of this one
+    for r in merged["runs"]:
+        if r["system"] == "rag" and r["task"] == "passkey":
+            r["commit"] = "0" * 40
+    path.write_text(json.dumps(merged))
+    out = subprocess.run([sys.executable, "evaluate.py", "--quick", "--resume", "--rerun", "rag", "--out",
+                          str(tmp_path), "--name", "quick"], cwd=BENCHMARKS, check=True, capture_output=True,
+                         text=True, timeout=600).stdout
+    assert out.count("seed 0: score") == 1 and "passkey          rag" in out
+    rerun = json.loads(path.read_text())
+    assert len(rerun["runs"]) == len(runs) and all(r["commit"] != "0" * 40 for r in rerun["runs"])
+
 
 def test_accuracy_cells_carry_n_and_a_wilson_interval():
     import evaluate
