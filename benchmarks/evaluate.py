@@ -65,7 +65,8 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--rerun", nargs="+", default=[], metavar="SYSTEM",
                         help="with --resume or --merge: the runs of these systems made at another commit are "
                              "dropped and run again (after a change that moves only them, such as new "
-                             "allocation coefficients); runs made at this commit are kept, so a resume goes on")
+                             "allocation coefficients); runs made at this commit are kept, so a resume at the same "
+                             "commit goes on. Leave it off once the code moves on, or it reruns them again")
     return parser
 
 
