@@ -278,10 +278,13 @@ def coefficients_path(model_id: str) -> Path:
 
 def allocation_model(cfg: AllocationConfig, model_id: str) -> AllocationModel | None:
     """The fitted model mode "model" answers with (None in mode "fixed"), from `cfg.coefficients` or the
-    package's file for `model_id`; a missing, unreadable or other model's file is a ConfigError."""
+    package's file for `model_id`; a missing, unreadable or other model's file is a ConfigError. Mode
+    "auto" without a file given, for a model none ships for, is "fixed" (None)."""
     if cfg.mode == "fixed":
         return None
     path = Path(cfg.coefficients).expanduser() if cfg.coefficients else coefficients_path(model_id)
+    if cfg.mode == "auto" and not cfg.coefficients and not path.is_file():
+        return None
     if not path.is_file():
         raise ConfigError(f"allocation.mode 'model' needs fitted coefficients: no file {path}; "
                           "fit them with `engramkv calibrate` and pass allocation.coefficients")

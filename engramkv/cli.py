@@ -285,9 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: recall.answer_context_tokens, unset)")
     p.add_argument("--show-recall", action="store_true",
                    help="also print the inference parameters and the events the answer attended to, best match first")
-    p.add_argument("--allocation", choices=["fixed", "model"], default=None,
-                   help="how the recall budget is chosen: the fixed default, or the fitted allocation model "
-                   "(default: the config's, 'fixed')")
+    p.add_argument("--allocation", choices=["fixed", "model", "auto"], default=None,
+                   help="how the recall budget is chosen: the fixed default, the fitted allocation model, or "
+                   "'auto' (the model where coefficients ship for it) (default: the config's allocation.mode)")
     p.add_argument("--coefficients", default=None,
                    help="allocation coefficients file (`engramkv calibrate --out`; default: the ones shipped for the model)")
     p.add_argument("-k", type=int, default=3, help="events shown with --show-recall or --json (default 3)")

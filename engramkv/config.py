@@ -171,16 +171,17 @@ class AllocationConfig(_Strict):
     """The recall budget model (`retrieval.allocation`): the inference parameters theta an answer may take,
     how they are chosen, and how the model is fitted (`engramkv calibrate`)."""
 
-    mode: Literal["fixed", "model"] = Field(
+    mode: Literal["fixed", "model", "auto"] = Field(
         default="fixed",
         description="'fixed': every answer takes the default theta (recall.answer_hits events, "
         "recall.answer_budget_tokens, one round, no demonstrations, the whole window). 'model': the fitted "
-        "allocation model picks theta per question from the grid below, within the answer's context limit.",
+        "allocation model picks theta per question from the grid below, within the answer's context limit. "
+        "'auto': 'model' where coefficients are given or shipped for the model, else 'fixed'.",
     )
     coefficients: str | None = Field(
         default=None,
         description="JSON file of fitted coefficients (what `engramkv calibrate` writes); None: the ones shipped "
-        "for the model, if any (mode 'model' without either is a ConfigError).",
+        "for the model, if any (mode 'model' without either is a ConfigError; 'auto' answers fixed).",
     )
     k: list[int] = Field(default=[1, 2, 4, 8], min_length=1, description="Grid: events pinned.")
     s: list[int] = Field(default=[32, 64, 128, 256], min_length=1, description="Grid: memory tokens per hit.")

@@ -154,7 +154,17 @@ def test_coefficients_of_another_model_or_shape_are_refused(tmp_path):
     short = _coefficients(tmp_path, a=[0.1, 0.2])
     with pytest.raises(ConfigError, match="shape"):
         allocation_model(AllocationConfig(mode="model", coefficients=str(short)), "tiny-llama")
-    assert allocation_model(AllocationConfig(), "tiny-llama") is None  # mode "fixed" reads nothing
+    assert allocation_model(AllocationConfig(mode="fixed"), "tiny-llama") is None  # mode "fixed" reads nothing
+
+
+def test_auto_mode_answers_with_shipped_coefficients_and_fixed_without(tmp_path):
+    assert allocation_model(AllocationConfig(mode="auto"), "tiny-llama") is None  # none ships for it
+    shipped = allocation_model(AllocationConfig(mode="auto"), "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert shipped is not None and shipped.thetas
+    given = allocation_model(AllocationConfig(mode="auto", coefficients=str(_coefficients(tmp_path))), "tiny-llama")
+    assert given is not None and given.a == [0.5, 0.2, 0.0, 0.0, -0.1]
+    with pytest.raises(ConfigError, match="no file"):  # a file given must exist, even in auto
+        allocation_model(AllocationConfig(mode="auto", coefficients=str(tmp_path / "missing.json")), "tiny-llama")
 
 
 def test_a_fit_with_its_calibrated_thetas_chooses_among_those_alone(tmp_path):
