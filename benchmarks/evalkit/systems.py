@@ -151,7 +151,7 @@ class Models:
             if self._shared is not None:
                 self._shared[1].close()
             self._shared = None  # the old stream's memory goes before the new one is read
-            session = self.lm.session(EngineConfig())
+            session = self.lm.session(FIXED)
             started = time.perf_counter()
             for piece in sample.context:
                 session.ingest(piece)
@@ -337,9 +337,19 @@ def _engram_answer(models: Models, sample: Sample, session: Any, ingest: float, 
                None if plan is None else plan.context_tokens)
 
 
+def _with_allocation(mode: str) -> EngineConfig:
+    base = EngineConfig()
+    return base.model_copy(update={"allocation": base.allocation.model_copy(update={"mode": mode})})
+
+
+# The engramkv systems other than engram-alloc answer with the fixed default theta whatever the package's
+# default mode, so that they stay the baselines they were measured as.
+FIXED = _with_allocation("fixed")
+
+
 def _variant(recall: dict[str, Any] | None = None, segmentation: dict[str, Any] | None = None,
              refinement: dict[str, Any] | None = None, store: dict[str, Any] | None = None) -> EngineConfig:
-    base = EngineConfig()
+    base = FIXED
     return base.model_copy(update={
         "recall": RecallConfig(**{**base.recall.model_dump(), **(recall or {})}),
         "segmentation": SegmentationConfig(**{**base.segmentation.model_dump(), **(segmentation or {})}),
@@ -354,7 +364,7 @@ VARIANTS = {
     "infllm": _variant(recall={"question_match": "attention"}, segmentation={"mode": "uniform", "uniform_size": 128}),
     "engram-surprise": _variant(recall=NO_CONTIGUITY, refinement={"enabled": False}),
     "engram-refined": _variant(recall=NO_CONTIGUITY),
-    "engram": EngineConfig(),
+    "engram": FIXED,
     # Not in the default grid: the answer's events next to the prompt, as RAG places its chunks
     # (measured against "engram" on 4k/8k RULER samples: no consistent gain; benchmarks/README.md).
     "engram-before-question": _variant(recall={"answer_layout": "before_question"}),
@@ -382,8 +392,7 @@ def shipped_calibration(model_id: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-ALLOCATION = EngineConfig().model_copy(update={"allocation": EngineConfig().allocation.model_copy(
-    update={"mode": "model"})})
+ALLOCATION = _with_allocation("model")
 # Systems that differ from engram only at question time: one ingest per sample serves them all. "-chat": the
 # question asked as a user asks it (Session.chat); without: the benchmark's own prompt (Session.generate).
 QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best"}
@@ -392,7 +401,7 @@ QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "bes
 def _question_time_system(kind: str, chat_path: bool) -> SystemFn:
     def answer(models: Models, sample: Sample) -> Run:
         theta = Theta(**shipped_calibration(models.model_id)["best_fixed_theta"]) if kind == "best" else None
-        config = ALLOCATION if kind == "model" else EngineConfig()
+        config = ALLOCATION if kind == "model" else FIXED
         return _question_time_run(models, sample, config, chat_path, theta)
     return answer
 
@@ -413,7 +422,7 @@ def system_config(name: str) -> Any:
     kind = QUESTION_TIME.get(name.removesuffix("-chat"))
     if kind is not None:
         path = "Session.chat(question)" if name.endswith("-chat") else "Session.generate(prompt, question=)"
-        config = ALLOCATION if kind == "model" else EngineConfig()
+        config = ALLOCATION if kind == "model" else FIXED
         return {"engine": config.model_dump(mode="json"), "asked_with": path,
                 "theta": "the best fixed theta of the shipped calibration" if kind == "best" else
                 ("the allocation model's choice (shipped coefficients)" if kind == "model" else "the fixed default"),
