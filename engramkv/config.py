@@ -233,11 +233,11 @@ class CalibrationConfig(_Strict):
 
     tasks: list[str] = Field(
         default=["passkey", "niah-single", "niah-multikey", "niah-multivalue", "niah-multiquery", "conversation",
-                 "facts"],
+                 "facts", "kv"],
         min_length=1, description="Calibration tasks (`engramkv.tasks`).",
     )
     lengths: list[int] = Field(default=[4096, 8192], min_length=1, description="Document lengths in tokens.")
-    samples: int = Field(default=2, ge=1, description="Samples per task and length (seeds from CALIBRATION_SEEDS).")
+    samples: int = Field(default=4, ge=1, description="Samples per task and length (seeds from CALIBRATION_SEEDS).")
     design_size: int = Field(
         default=16, ge=1, description="Thetas drawn from the allocation grid (with a seed), besides the default "
         "theta: every sample is answered under all of them.",
