@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         done = {_key(r) for r in runs}
         runs += [r for r in merged if _key(r) not in done]
         commands += [c for c in merged_commands if c not in commands]
-    runs = [r for r in runs if not (r["system"] in args.rerun and r["commit"] != CODE["commit"])]
+    runs = [r for r in runs if not (r["system"] in args.rerun and r.get("commit") != CODE["commit"])]
     command = " ".join(["python benchmarks/evaluate.py", *_argv(args)])
     if command not in commands:  # the same command run again (a resume, a merge) is listed once
         commands.append(command)

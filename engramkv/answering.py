@@ -6,7 +6,7 @@ the `RecallPlan` the answer is read and written with.
              measure its informativeness (`retrieval.allocation.informativeness`; i_doc costs two more
              probes of the prompt, with the best event and with none)
     theta    a caller's, the fixed default (`RecallConfig`: answer_hits events, answer_budget_tokens, one
-             round, no demonstrations, the whole window), or the allocation model's best within the limit
+             round, no demonstrations, the whole window), or the allocation model's choice within the limit (`choose`)
     plan     the k best hits with their neighbours in time, k * s memory tokens, the local window from w
              tokens before the prompt; with n > 1 rounds a short draft answer (made by probes, never read
              into the stream) is matched together with the question, and each round's new hits join the
@@ -144,10 +144,18 @@ class Answerer:
 
     def choose(self, assessment: Assessment | None, limit: int | None, fixed_tokens: int,
                local_tokens: int) -> Theta:
-        """The model's best theta within `limit` (mode "model"), else the fixed default."""
+        """The model's theta within `limit` (mode "model", or "auto" with coefficients): the cheapest predicted
+        within `allocation.tolerance` of the best, among those that read the whole window where the window
+        matches the question better than memory (`question.window_answers`: the calibration's documents seldom
+        end in their answer, and a w = 0 answer cannot see the text not yet sealed into events). Else the
+        fixed default."""
         if self.model is None or assessment is None:
             return self.default_theta()
-        chosen = allocation.choose(self.model, self.grid, assessment.features,
+        candidates = self.grid
+        if question.window_answers(assessment.matched, self.cfg.recall):
+            whole = min(self.cfg.window.n_local, local_tokens)
+            candidates = [t for t in self.grid if t.w >= whole] or [max(self.grid, key=lambda t: (t.w, -t.k))]
+        chosen = allocation.choose(self.model, candidates, assessment.features,
                                    limit if limit is not None else math.inf,
                                    lambda t: self.cost_of(t, fixed_tokens, local_tokens),
                                    self.cfg.allocation.tolerance)
@@ -297,7 +305,9 @@ def allocation_model(cfg: AllocationConfig, model_id: str) -> AllocationModel | 
     if fitted_for != model_id:
         raise ConfigError(f"{path} was fitted for {fitted_for}, this model is {model_id}; "
                           "re-fit with `engramkv calibrate`")
-    if len(model.a) != len(allocation.PARAMETERS) or any(len(row) != len(allocation.FEATURES) for row in model.b):
+    ranges = [r for r in (model.low, model.high) if r is not None]
+    if (len(model.a) != len(allocation.PARAMETERS) or len(model.b) != len(allocation.PARAMETERS)
+            or any(len(row) != len(allocation.FEATURES) for row in [*model.b, *ranges])):
         raise ConfigError(f"{path}: coefficients of another shape than theta {allocation.PARAMETERS} "
                           f"by features {allocation.FEATURES}")
     return model

@@ -17,6 +17,7 @@ theta, fit `retrieval.allocation`'s model, and report it on held-out samples.
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 from collections.abc import Callable
@@ -192,7 +193,7 @@ def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> Ca
         for name, model in fitted.items():
             predicted[name] += [(row, model) for row in test]
         for name, picked in _held_out_choice(fitted["model"], test, default, _best_fixed(train),
-                                              cfg.allocation.tolerance).items():
+                                              cfg).items():
             chosen[name] += picked
     everything = _fits(rows, cfg)
     fits = {}
@@ -236,27 +237,33 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")  # nan: no held-out sample has that theta
 
 
-CHOICES = ("default", "best_fixed", "model", "model_within_default")
+CHOICES = ("default", "best_fixed", "model", "model_as_shipped")
 
 
 def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default: Theta, best_fixed: Theta,
-                     tolerance: float) -> dict[str, list[dict[str, Any]]]:
+                     cfg: EngineConfig) -> dict[str, list[dict[str, Any]]]:
     """Per held-out sample, the answer under the default theta, under the best fixed one, and under the
-    model's choice among the design's thetas: within the best fixed one's context (no more tokens), and
-    within the default's (the limit an answer has when `allocation.mode` is "model")."""
+    model's choice among the design's thetas as `Answerer.choose` makes it (the tolerance; the whole window
+    where the window matches better than memory): within the best fixed theta's context (no more tokens;
+    without the window rule where no whole-window theta fits), and without a limit (`recall.
+    answer_context_tokens` is unset by default: how the shipped model answers)."""
     by_sample: dict[str, dict[Theta, dict[str, Any]]] = {}
     for row in test:
         by_sample.setdefault(row["sample"], {})[Theta(**row["theta"])] = row
     picked: dict[str, list[dict[str, Any]]] = {name: [] for name in CHOICES}
+    margin = allocation.FEATURES.index("window_margin")
     for answers in by_sample.values():
         if default not in answers or best_fixed not in answers:
             continue
         features = torch.tensor(answers[default]["features"], dtype=torch.float64)
-        for name, limit in (("model", answers[best_fixed]["context_tokens"]),
-                            ("model_within_default", answers[default]["context_tokens"])):
-            choice = allocation.choose(model, list(answers), features, limit,
-                                       lambda t: answers[t]["context_tokens"], tolerance)
-            picked[name].append(answers[choice])  # type: ignore[index]  # the default always fits
+        widest = max(t.w for t in answers)
+        for name, limit in (("model", answers[best_fixed]["context_tokens"]), ("model_as_shipped", math.inf)):
+            pool = list(answers)
+            if float(features[margin]) > cfg.recall.window_margin:  # `question.window_answers`
+                pool = [t for t in pool if t.w == widest and answers[t]["context_tokens"] <= limit] or pool
+            choice = allocation.choose(model, pool, features, limit, lambda t: answers[t]["context_tokens"],
+                                       cfg.allocation.tolerance)
+            picked[name].append(answers[choice])  # type: ignore[index]  # the best fixed theta always fits
         picked["default"].append(answers[default])
         picked["best_fixed"].append(answers[best_fixed])
     return picked

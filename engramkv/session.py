@@ -229,8 +229,8 @@ class Session:
         `budget_tokens`: the most context the answer reads, its resident window, the turn and the recalled
         events together (default `recall.answer_context_tokens`; None: only `recall.answer_budget_tokens`
         bounds the recalled part). `theta`: the inference parameters (`Theta`: events, tokens per event,
-        recall rounds, demonstrations, window tokens); default: the fixed default, or the allocation model's
-        choice within the budget (`allocation.mode = "model"`). `last_plan` tells what the answer read.
+        recall rounds, demonstrations, window tokens); default: the allocation model's choice within the budget
+        (`allocation.mode` "auto" where coefficients ship for the model, or "model"), else the fixed default. `last_plan` tells what the answer read.
         """
         if not isinstance(message, str):
             raise InputError(f"chat takes a str message, got {type(message).__name__}")

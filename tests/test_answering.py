@@ -178,3 +178,19 @@ def test_a_fit_with_its_calibrated_thetas_chooses_among_those_alone(tmp_path):
     _, session = _session(cfg)
     session.chat("1 2 3", max_new_tokens=2)
     assert [*session.last_plan.theta.__dict__.values()] in calibrated
+
+
+def test_where_the_window_matches_better_the_model_reads_the_whole_window(tmp_path, monkeypatch):
+    # Coefficients that want no window at all (w's slope strongly negative): the window rule overrides them.
+    path = _coefficients(tmp_path, a=[0.0, 0.0, 0.0, 0.0, -3.0])
+    cfg = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(
+        update={"mode": "model", "coefficients": str(path)})})
+    _, session = _session(cfg)
+    session.chat("1 2 3", max_new_tokens=2)
+    assert session.last_plan.theta.w == 0  # memory matches better (or as well): the fitted choice stands
+    from engramkv.retrieval import question
+
+    monkeypatch.setattr(question, "window_answers", lambda matched, recall: True)
+    session.chat("1 2 3", max_new_tokens=2)
+    plan = session.last_plan
+    assert plan.theta.w == max(cfg.allocation.w) and plan.window_from is None and plan.events == ()

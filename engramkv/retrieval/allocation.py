@@ -12,15 +12,17 @@ with F = P is the paper's form). It is fitted by least squares of P (the scores 
 answer, so on the score scale through the logit link), with a ridge term chosen by cross-validation
 over samples (`select_ridge`); a question's features are clamped into the range the fit saw. Cost of theta =
 sinks + attended window + k * s * n + prompt + demonstrations (effective context tokens). `choose`
-takes the best predicted theta within a limit; `allocate` shares one limit among many questions, each
-step of budget going to the question with the best predicted gain per token.
+takes the cheapest theta predicted within a tolerance of the best within a limit; `allocate` shares one
+limit among many questions, each step of budget going to the question with the best predicted gain per
+token.
 
-`answering` uses it when `AllocationConfig.mode` is "model"; the coefficients come from `engramkv
+`answering` uses it when `AllocationConfig.mode` is "model", or "auto" where coefficients ship; the coefficients come from `engramkv
 calibrate` (`calibration`), and those fitted for the embedded model ship in the package.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -189,10 +191,12 @@ def select_ridge(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores:
                  link: Literal["logit", "linear"] = "logit") -> float:
     """The ridge term of `cfg.ridge` whose fits predict held-out groups best (least MSE of the predicted
     score): the groups (one label per observation, a calibration sample) are cut into `folds`, each fitted
-    without its own. Ties go to the stronger ridge. One candidate, or fewer groups than folds: the first."""
+    without its own (fewer groups than folds: one fold per group). Ties go to the stronger ridge; one
+candidate, or a single group: the strongest."""
     labels = sorted(set(groups), key=str)
-    if len(cfg.ridge) == 1 or len(labels) < folds:
-        return cfg.ridge[0]
+    folds = min(folds, len(labels))
+    if len(cfg.ridge) == 1 or folds < 2:
+        return max(cfg.ridge)  # nothing to cross-validate with: the strongest shrinkage
     fold_of = {label: i % folds for i, label in enumerate(labels)}
     errors: dict[float, float] = {}
     for ridge in cfg.ridge:
@@ -229,10 +233,11 @@ def choose(model: AllocationModel, grid: Sequence[Theta], info: torch.Tensor, li
     """The cheapest theta of `grid` within `limit` whose predicted score is within `tolerance` of the best
     predicted there (None: none fits); ties go to the better predicted, then the smaller theta. A gain
     smaller than the fit can tell apart is not worth its tokens."""
-    feasible = [t for t in grid if cost_of(t) <= limit]
-    if not feasible:
+    predicted = {t: model.predict(t, info) for t in grid if cost_of(t) <= limit}
+    predicted = {t: p for t, p in predicted.items() if math.isfinite(p)}  # a NaN feature predicts nothing
+    if not predicted:
         return None
-    predicted = {t: model.predict(t, info) for t in feasible}
+    feasible = list(predicted)
     best = max(predicted.values())
     return min((t for t in feasible if predicted[t] >= best - tolerance),
                key=lambda t: (cost_of(t), -predicted[t], t))
@@ -240,7 +245,8 @@ def choose(model: AllocationModel, grid: Sequence[Theta], info: torch.Tensor, li
 
 def allocate(model: AllocationModel, grid: Sequence[Theta], infos: Sequence[torch.Tensor], total: int,
              cost_of: Callable[[Theta], int]) -> list[Theta | None]:
-    """One theta per question, all costs together within `total`. Each question starts at its cheapest
+    """One theta per question, all costs together within `total` (no tolerance here: a step is taken for
+    any predicted gain, since the total is the caller's to spend). Each question starts at its cheapest
     theta (in grid order of cost) while they fit; then, step by step, the question whose next dearer theta
     gains the most predicted score per extra token moves up, while the total allows."""
     ladder = sorted(set(grid), key=lambda t: (cost_of(t), t))

@@ -110,6 +110,12 @@ def assess(
     return QuestionMatch(tuple(hits), tuple(scores), window)
 
 
+def window_answers(matched: QuestionMatch, cfg: RecallConfig) -> bool:
+    """Whether a piece of the resident window matches the question better than its best event does, by more
+    than `window_margin`: then the answer should read the whole window, and no memory."""
+    return bool(matched.hits) and matched.window > matched.hits[0][1] + cfg.window_margin
+
+
 def plan_answer(
     memory: EventMemory,
     matched: QuestionMatch,
@@ -125,7 +131,7 @@ def plan_answer(
     hits = matched.hits[: cfg.answer_hits if k is None else k]
     if not hits:
         return RecallPlan(events=None, budget=budget, window_from=window_from)  # the per-layer recall decides
-    if window_from is None and matched.window > hits[0][1] + cfg.window_margin:
+    if window_from is None and window_answers(matched, cfg):
         return RecallPlan(events=(), budget=budget)
     events = answer_events(memory, [event_id for event_id, _ in hits], budget, cfg.max_neighbour_distance)
     before_question = cfg.answer_layout == "before_question" and cfg.positions == "contiguous"
