@@ -6,7 +6,8 @@ the `RecallPlan` the answer is read and written with.
              measure its informativeness (`retrieval.allocation.informativeness`; i_doc costs two more
              probes of the prompt, with the best event and with none)
     theta    a caller's, the fixed default (`RecallConfig`: answer_hits events, answer_budget_tokens, one
-             round, no demonstrations, the whole window), or the allocation model's choice within the limit (`choose`)
+             round, no demonstrations, the whole window), or the allocation model's choice within the limit
+             (`choose`)
     plan     the k best hits with their neighbours in time, k * s memory tokens, the local window from w
              tokens before the prompt; with n > 1 rounds a short draft answer (made by probes, never read
              into the stream) is matched together with the question, and each round's new hits join the
@@ -151,10 +152,8 @@ class Answerer:
         fixed default."""
         if self.model is None or assessment is None:
             return self.default_theta()
-        candidates = self.grid
-        if question.window_answers(assessment.matched, self.cfg.recall):
-            whole = min(self.cfg.window.n_local, local_tokens)
-            candidates = [t for t in self.grid if t.w >= whole] or [max(self.grid, key=lambda t: (t.w, -t.k))]
+        candidates = allocation.whole_window(self.grid, question.window_answers(assessment.matched, self.cfg.recall),
+                                             min(self.cfg.window.n_local, local_tokens))
         chosen = allocation.choose(self.model, candidates, assessment.features,
                                    limit if limit is not None else math.inf,
                                    lambda t: self.cost_of(t, fixed_tokens, local_tokens),

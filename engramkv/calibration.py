@@ -182,7 +182,7 @@ def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> Ca
     folds = cfg.calibration.holdout
     if len(keys) < folds:
         raise InputError(f"{len(keys)} samples are too few for {folds} folds (calibration.holdout)")
-    fold_of = {key: i % folds for i, key in enumerate(keys)}
+    fold_of = allocation.assign_folds(keys, folds)
     default = Answerer.default_for(cfg)
     predicted: dict[str, list[tuple[dict[str, Any], AllocationModel]]] = {name: [] for name in FITS}
     chosen: dict[str, list[dict[str, Any]]] = {name: [] for name in CHOICES}
@@ -251,16 +251,15 @@ def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default
     for row in test:
         by_sample.setdefault(row["sample"], {})[Theta(**row["theta"])] = row
     picked: dict[str, list[dict[str, Any]]] = {name: [] for name in CHOICES}
-    margin = allocation.FEATURES.index("window_margin")
     for answers in by_sample.values():
         if default not in answers or best_fixed not in answers:
             continue
         features = torch.tensor(answers[default]["features"], dtype=torch.float64)
-        widest = max(t.w for t in answers)
+        # The window-versus-memory margin feature is what `question.window_answers` compares.
+        window_answers = float(features[allocation.FEATURES.index("window_margin")]) > cfg.recall.window_margin
+        allowed = allocation.whole_window(list(answers), window_answers, max(t.w for t in answers))
         for name, limit in (("model", answers[best_fixed]["context_tokens"]), ("model_as_shipped", math.inf)):
-            pool = list(answers)
-            if float(features[margin]) > cfg.recall.window_margin:  # `question.window_answers`
-                pool = [t for t in pool if t.w == widest and answers[t]["context_tokens"] <= limit] or pool
+            pool = [t for t in allowed if answers[t]["context_tokens"] <= limit] or list(answers)
             choice = allocation.choose(model, pool, features, limit, lambda t: answers[t]["context_tokens"],
                                        cfg.allocation.tolerance)
             picked[name].append(answers[choice])  # type: ignore[index]  # the best fixed theta always fits

@@ -198,7 +198,8 @@ class AllocationConfig(_Strict):
     )
     eps: float = Field(default=0.01, gt=0, description="log(theta + eps): keeps a zero parameter finite (the paper's).")
     score_clip: float = Field(
-        default=0.02, gt=0, lt=0.5, description="The fit starts from the logit of the mean score clipped to [clip, 1 - clip]."
+        default=0.02, gt=0, lt=0.5,
+        description="The fit starts from the logit of the mean score clipped to [clip, 1 - clip].",
     )
     tolerance: float = Field(
         default=0.1, ge=0, le=1,

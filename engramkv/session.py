@@ -230,7 +230,8 @@ class Session:
         events together (default `recall.answer_context_tokens`; None: only `recall.answer_budget_tokens`
         bounds the recalled part). `theta`: the inference parameters (`Theta`: events, tokens per event,
         recall rounds, demonstrations, window tokens); default: the allocation model's choice within the budget
-        (`allocation.mode` "auto" where coefficients ship for the model, or "model"), else the fixed default. `last_plan` tells what the answer read.
+        (`allocation.mode` "auto" where coefficients ship for the model, or "model"), else the fixed default.
+        `last_plan` tells what the answer read.
         """
         if not isinstance(message, str):
             raise InputError(f"chat takes a str message, got {type(message).__name__}")

@@ -10,20 +10,21 @@ is answered (match-score features, `informativeness`). The model, with eps = `Al
 B generalises the paper's elementwise `b * i` to features that are not one per parameter (B diagonal
 with F = P is the paper's form). It is fitted by least squares of P (the scores are 0/1 or a share per
 answer, so on the score scale through the logit link), with a ridge term chosen by cross-validation
-over samples (`select_ridge`); a question's features are clamped into the range the fit saw. Cost of theta =
-sinks + attended window + k * s * n + prompt + demonstrations (effective context tokens). `choose`
+over samples (`select_ridge`); a question's features are clamped into the range the fit saw. Cost of
+theta = sinks + attended window + k * s * n + prompt + demonstrations (effective context tokens). `choose`
 takes the cheapest theta predicted within a tolerance of the best within a limit; `allocate` shares one
 limit among many questions, each step of budget going to the question with the best predicted gain per
 token.
 
-`answering` uses it when `AllocationConfig.mode` is "model", or "auto" where coefficients ship; the coefficients come from `engramkv
-calibrate` (`calibration`), and those fitted for the embedded model ship in the package.
+`answering` uses it when `AllocationConfig.mode` is "model", or "auto" where coefficients ship; the
+coefficients come from `engramkv calibrate` (`calibration`), and those fitted for the embedded model ship
+in the package.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -186,18 +187,33 @@ def _gauss_newton(x: torch.Tensor, y: torch.Tensor, penalty: torch.Tensor, clip:
     return coef
 
 
+def assign_folds(labels: Iterable[object], folds: int) -> dict[object, int]:
+    """Each label's fold of a cross-validation over `folds` (labels in sorted order, dealt round)."""
+    return {label: i % folds for i, label in enumerate(sorted(set(labels), key=str))}
+
+
+def whole_window(grid: Sequence[Theta], window_answers: bool, whole: int) -> list[Theta]:
+    """The thetas of `grid` a question may take: where the window matches it better than memory
+    (`retrieval.question.window_answers`), only those reading at least `whole` window tokens (else the
+    widest), since text not yet sealed into events is only there; otherwise all of them."""
+    if not window_answers:
+        return list(grid)
+    widest = max(t.w for t in grid)
+    return [t for t in grid if t.w >= whole] or [t for t in grid if t.w == widest]
+
+
 def select_ridge(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence[float],
                  groups: Sequence[object], cfg: AllocationConfig, folds: int, with_interaction: bool = True,
                  link: Literal["logit", "linear"] = "logit") -> float:
     """The ridge term of `cfg.ridge` whose fits predict held-out groups best (least MSE of the predicted
     score): the groups (one label per observation, a calibration sample) are cut into `folds`, each fitted
     without its own (fewer groups than folds: one fold per group). Ties go to the stronger ridge; one
-candidate, or a single group: the strongest."""
-    labels = sorted(set(groups), key=str)
+    candidate, or a single group: the strongest."""
+    labels = set(groups)
     folds = min(folds, len(labels))
     if len(cfg.ridge) == 1 or folds < 2:
         return max(cfg.ridge)  # nothing to cross-validate with: the strongest shrinkage
-    fold_of = {label: i % folds for i, label in enumerate(labels)}
+    fold_of = assign_folds(labels, folds)
     errors: dict[float, float] = {}
     for ridge in cfg.ridge:
         total = 0.0
