@@ -9,7 +9,8 @@ the `RecallPlan` the answer is read and written with.
              round, no demonstrations, the whole window), or the allocation model's choice within the limit
              (`choose`)
     plan     the k best hits with their neighbours in time, k * s memory tokens, the local window from w
-             tokens before the prompt; with n > 1 rounds a short draft answer (made by probes, never read
+             tokens before the prompt (a chosen theta where the window matches the question better than
+             memory: no memory, and the window's best piece widened to k * s * n tokens); with n > 1 rounds a short draft answer (made by probes, never read
              into the stream) is matched together with the question, and each round's new hits join the
              plan with k * s more tokens
 
@@ -63,6 +64,7 @@ class Assessment:
 
     matched: QuestionMatch
     features: torch.Tensor  # (F,) informativeness (`allocation.FEATURES`)
+    window_piece: tuple[int, int] | None = None  # stream indices [a, b) of the window's best piece (local text)
 
 
 class Answerer:
@@ -108,7 +110,16 @@ class Answerer:
         margin = matched.window - matched.hits[0][1] if matched.hits else 0.0
         i_doc = self._i_doc(ids, matched) if with_i_doc and self.cfg.allocation.i_doc else 0.0
         features = allocation.informativeness(torch.tensor(matched.scores), margin, i_doc)
-        return Assessment(matched, features)
+        return Assessment(matched, features, self._stream_piece(matched.window_piece))
+
+    def _stream_piece(self, piece: tuple[int, int] | None) -> tuple[int, int] | None:
+        """A piece of the resident keys (sinks, then local tokens) as stream indices of its local tokens
+        (None: none, or all in the sinks, which every answer reads)."""
+        stream = self.state.stream
+        if piece is None or piece[1] <= stream.sink_len:
+            return None
+        return (stream.local_start + max(piece[0] - stream.sink_len, 0),
+                stream.local_start + piece[1] - stream.sink_len)
 
     def _i_doc(self, ids: torch.Tensor, matched: QuestionMatch) -> float:
         """The change in the first answer token's log-probability with the best event against none."""
@@ -185,12 +196,18 @@ class Answerer:
             return dataclasses.replace(plan, context_tokens=fixed + local + plan.budget)
         reader.flush()  # the probe reads the prompt after everything queued
         assessment = self.assess(prompt_ids, span, with_i_doc=theta is not None or self.model is not None)
-        theta = theta or self.choose(assessment, limit, fixed, local)
+        chosen, theta = theta is None, theta or self.choose(assessment, limit, fixed, local)
         if theta.m:
             reader.flush(plan, token_ids=self.demonstration_ids[theta.m])
         budget = self.memory_budget(theta, limit, fixed, local)
-        plan = self.plan(assessment, theta, prompt_ids, span, turn_start, budget)
+        if chosen and self.model is not None and question.window_answers(assessment.matched, self.cfg.recall) \
+                and assessment.window_piece is not None:
+            plan = self.window_piece_plan(assessment, theta, turn_start, budget)
+        else:
+            plan = self.plan(assessment, theta, prompt_ids, span, turn_start, budget)
         window = local if plan.window_from is None else min(local, turn_start - plan.window_from)
+        if plan.window_gap is not None:
+            window -= max(0, min(plan.window_gap[1], turn_start) - max(plan.window_gap[0], turn_start - window))
         memory = plan.budget if plan.events is None else sum(self.memory.event(e).length for e in plan.events)
         demonstrations = len(self.demonstration_ids[theta.m])
         return dataclasses.replace(plan, context_tokens=fixed + window + memory + demonstrations)
@@ -223,6 +240,29 @@ class Answerer:
                                             recall.max_neighbour_distance)
             plan = RecallPlan(tuple(events), per_round * round_, plan.memory_at, tuple(hits), window_from)
         return dataclasses.replace(plan, theta=theta, features=tuple(assessment.features.tolist()))
+
+    def window_piece_plan(self, assessment: Assessment, theta: Theta, window_end: int, budget: int) -> RecallPlan:
+        """The plan of a chosen theta where the window matches the question better than memory: no memory,
+        and of the local window only its best-matching piece, widened to the theta's memory budget (what it
+        would have read of a hit), then the turn. Why not the whole window: measured on the embedded model,
+        a pass key 20 tokens into a 1,024-token window of filler is answered "The pass key is the pass key."
+        through the chat template, and read as a hit of 128 tokens it is answered."""
+        assert assessment.window_piece is not None
+        start, end = assessment.window_piece
+        first = self.state.stream.local_start
+        start, end = max(start, first), min(end, window_end)
+        if start >= end:  # the piece is in the turn, which every answer reads: none of the window
+            return RecallPlan((), budget, window_from=window_end, theta=theta,
+                              features=tuple(assessment.features.tolist()))
+        extra = max(0, budget - (end - start))
+        lo, hi = start - extra // 2, end + extra - extra // 2
+        if lo < first:  # widen on the other side what one side lacks
+            lo, hi = first, hi + first - lo
+        if hi > window_end:
+            lo, hi = max(first, lo - (hi - window_end)), window_end
+        gap = (hi, window_end) if hi < window_end else None
+        return RecallPlan((), budget, window_from=lo, window_gap=gap, theta=theta,
+                          features=tuple(assessment.features.tolist()))
 
     def _draft_keys(self, plan: RecallPlan, prompt_ids: list[int], span: tuple[int, int]) -> torch.Tensor | None:
         """A greedy draft of the answer under `plan`, made by probing (the stream does not change), and the

@@ -180,7 +180,7 @@ def test_a_fit_with_its_calibrated_thetas_chooses_among_those_alone(tmp_path):
     assert [*session.last_plan.theta.__dict__.values()] in calibrated
 
 
-def test_where_the_window_matches_better_the_model_reads_the_whole_window(tmp_path, monkeypatch):
+def test_where_the_window_matches_better_the_model_reads_its_best_piece(tmp_path, monkeypatch):
     # Coefficients that want no window at all (w's slope strongly negative): the window rule overrides them.
     path = _coefficients(tmp_path, a=[0.0, 0.0, 0.0, 0.0, -3.0])
     cfg = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(
@@ -191,6 +191,55 @@ def test_where_the_window_matches_better_the_model_reads_the_whole_window(tmp_pa
     from engramkv.retrieval import question
 
     monkeypatch.setattr(question, "window_answers", lambda matched, recall: True)
+    _, session = _session(cfg)  # a fresh one: after a turn, its own tokens can be the window's best piece
+    turn_start = session.state.n_tokens
+    local_start = session.state.stream.local_start
     session.chat("1 2 3", max_new_tokens=2)
     plan = session.last_plan
-    assert plan.theta.w == max(cfg.allocation.w) and plan.window_from is None and plan.events == ()
+    theta = plan.theta
+    assert theta.w == max(cfg.allocation.w) and plan.events == ()  # chosen among whole-window thetas, no memory
+    # Of the window, one piece widened to the theta's memory budget, then (a gap) the turn.
+    assert plan.window_from is not None and plan.window_from >= local_start
+    read_to = turn_start if plan.window_gap is None else plan.window_gap[0]
+    assert plan.window_gap is None or plan.window_gap[1] == turn_start
+    assert min(theta.k * theta.s * theta.n, plan.budget) <= read_to - plan.window_from < turn_start - local_start
+
+
+def test_a_caller_theta_where_the_window_matches_better_reads_the_whole_window(tmp_path, monkeypatch):
+    path = _coefficients(tmp_path, a=[0.0, 0.0, 0.0, 0.0, -3.0])
+    cfg = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(
+        update={"mode": "model", "coefficients": str(path)})})
+    _, session = _session(cfg)
+    from engramkv.retrieval import question
+
+    monkeypatch.setattr(question, "window_answers", lambda matched, recall: True)
+    session.chat("1 2 3", max_new_tokens=2, theta=Theta(2, 16, 1, 0, 64))  # as calibrated: the whole window
+    plan = session.last_plan
+    assert plan.window_from is None and plan.window_gap is None and plan.events == ()
+
+
+def test_a_gap_over_the_whole_window_skips_it_like_a_window_from_the_turn():
+    _, one = _session(seed=5)
+    _, two = _session(seed=5)
+    prompt = torch.tensor([9, 10, 11])
+    end = one.state.n_tokens
+    skipped = one.state.step(prompt, RecallPlan((), 0, window_from=end))
+    gap = two.state.step(prompt, RecallPlan((), 0, window_gap=(two.state.stream.local_start, end)))
+    torch.testing.assert_close(skipped, gap, rtol=0, atol=1e-6)
+
+
+def test_an_empty_gap_changes_nothing_and_skipped_tokens_receive_no_attention():
+    _, one = _session(seed=6)
+    _, two = _session(seed=6)
+    prompt = torch.tensor([9, 10, 11])
+    mid = one.state.stream.local_start + 10
+    plain = one.state.step(prompt, RecallPlan(None, 40))
+    empty = two.state.step(prompt, RecallPlan(None, 40, window_gap=(mid, mid)))
+    torch.testing.assert_close(plain, empty, rtol=0, atol=0)
+    _, three = _session(seed=6)
+    before = three.state.layers[0].local_attention.clone()
+    three.state.step(prompt, RecallPlan(None, 40, window_gap=(mid, mid + 5)))
+    after = three.state.layers[0].local_attention
+    gap = slice(10, 15)
+    torch.testing.assert_close(after[:, gap], before[:, gap], rtol=0, atol=0)
+    assert (after[:, :10] > before[:, :10]).all() and after.shape[1] == before.shape[1] + 3

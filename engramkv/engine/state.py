@@ -101,19 +101,30 @@ class EpisodicState:
         q, k, v = query[0], key[0], value[0]  # (H, C, D), (Hkv, C, D), (Hkv, C, D)
         n_new = q.shape[1]
         mem_k, mem_v = self._recalled(layer, st, q, forward)  # (Hkv, M, D) each
-        # A plan may skip the oldest `skip` local tokens (its window_from). Memory goes before the local
-        # window, or (a plan with memory_at) between the local text read before the prompt and the
-        # prompt: `split` of the attended local tokens precede it.
+        # A plan may skip the oldest `skip` local tokens (its window_from) and a gap after them (its
+        # window_gap). Memory goes before the local window, or (a plan with memory_at) between the local
+        # text read before the prompt and the prompt: `split` of the attended local tokens precede it.
         plan = forward.plan
         skip = split = 0
         n_local = st.local_k.shape[1]
+        start = self.stream.local_start
         if plan is not None and plan.window_from is not None:
-            skip = min(max(plan.window_from - self.stream.local_start, 0), n_local)
+            skip = min(max(plan.window_from - start, 0), n_local)
+        kept: torch.Tensor | None = None  # (L,) the attended local tokens, where a gap is skipped
+        if plan is not None and plan.window_gap is not None:
+            gap_from = min(max(plan.window_gap[0] - start, skip), n_local)
+            gap_to = min(max(plan.window_gap[1] - start, gap_from), n_local)
+            if gap_to > gap_from:
+                kept = torch.cat([torch.arange(skip, gap_from), torch.arange(gap_to, n_local)]).to(self.device)
         if plan is not None and plan.memory_at is not None:
-            split = min(max(plan.memory_at - self.stream.local_start, 0), n_local) - skip
+            at = min(max(plan.memory_at - start, 0), n_local)
+            split = int((kept < at).sum()) if kept is not None else at - skip
         split = max(split, 0)
-        local_k, local_v = st.local_k[:, skip:], st.local_v[:, skip:]  # (Hkv, L, D) each
-        n_sink, n_mem, n_local = st.sink_k.shape[1], mem_k.shape[1], n_local - skip
+        if kept is None:
+            local_k, local_v = st.local_k[:, skip:], st.local_v[:, skip:]  # (Hkv, L, D) each
+        else:
+            local_k, local_v = st.local_k[:, kept], st.local_v[:, kept]
+        n_sink, n_mem, n_local = st.sink_k.shape[1], mem_k.shape[1], local_k.shape[1]
         keys = assemble(st.sink_k, local_k, mem_k, k, split)  # (Hkv, N, D)
         values = assemble(st.sink_v, local_v, mem_v, v, split)  # (Hkv, N, D)
         n_keys = keys.shape[1]
@@ -133,7 +144,12 @@ class EpisodicState:
         else:
             s = min(n_new, self.cfg.representatives.stat_queries)  # the queries whose attention is counted
             received = received_attention(q_rot, k_rot, scaling, self._mask(s, s), n_sink, split, n_mem)  # (Hkv, L + C)
-            if skip:  # the skipped tokens received nothing from these queries
+            if kept is not None:  # the skipped tokens received nothing from these queries
+                full = received.new_zeros(received.shape[0], st.local_k.shape[1] + received.shape[1] - n_local)
+                full[:, kept.cpu()] = received[:, :n_local]
+                full[:, st.local_k.shape[1]:] = received[:, n_local:]
+                received = full
+            elif skip:
                 received = torch.cat([received.new_zeros(received.shape[0], skip), received], dim=1)
             self._append(st, k, v, received)
         return out.transpose(1, 2)

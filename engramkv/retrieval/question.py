@@ -52,7 +52,8 @@ class RecallPlan:
     queries within `budget`, `()` recalls nothing. memory_at: the stream index the recalled events sit
     before (the prompt's start, for `answer_layout = "before_question"`), or `None` for before the local
     window. window_from: the stream index of the oldest local token attended (older ones are skipped;
-    `None`: the whole local window). hits: the matched events with their scores, best first (what an
+    `None`: the whole local window). window_gap: stream indices [a, b) of local tokens skipped as well (an
+    answer that reads one piece of the window and the turn after it). hits: the matched events with their scores, best first (what an
     answer reports). theta, features and context_tokens: the inference parameters the answer took, the
     question's informativeness (`retrieval.allocation`) and the tokens it attends to besides its reply,
     for reports.
@@ -63,6 +64,7 @@ class RecallPlan:
     memory_at: int | None = None
     hits: tuple[tuple[int, float], ...] = ()
     window_from: int | None = None
+    window_gap: tuple[int, int] | None = None  # stream indices [a, b) of local tokens also skipped
     theta: Theta | None = None
     features: tuple[float, ...] = ()
     context_tokens: int = 0  # effective context of the answer: sinks, attended window, turn, memory
@@ -75,6 +77,7 @@ class QuestionMatch:
     hits: tuple[tuple[int, float], ...]  # (event id, score), best first, no two within match_neighbours
     scores: tuple[float, ...]  # the span score of every re-ranked candidate (what informativeness reads)
     window: float  # the best piece of the resident window, scored the same way (-inf: nothing to compare)
+    window_piece: tuple[int, int] | None = None  # that piece: [start, end) in the resident keys (sinks first)
 
 
 def answer_budget(cfg: RecallConfig, limit: int | None = None, context_tokens: int = 0) -> int:
@@ -106,13 +109,15 @@ def assess(
     voted = _voted(recalled_per_layer, cfg)
     hits, scores = rank_question(memory, question_keys, layers, k, cfg.rerank_candidates, also=voted,
                                  neighbours=cfg.match_neighbours)
-    window = window_score(memory, hits[: cfg.answer_hits], resident_keys, question_keys, cfg.match_neighbours)
-    return QuestionMatch(tuple(hits), tuple(scores), window)
+    window, piece = window_score(memory, hits[: cfg.answer_hits], resident_keys, question_keys,
+                                 cfg.match_neighbours)
+    return QuestionMatch(tuple(hits), tuple(scores), window, piece)
 
 
 def window_answers(matched: QuestionMatch, cfg: RecallConfig) -> bool:
     """Whether a piece of the resident window matches the question better than its best event does, by more
-    than `window_margin`: then the answer should read the whole window, and no memory."""
+    than `window_margin`: then the answer should read the window (the whole of it, or for a chosen theta
+    that piece: `Answerer.window_piece_plan`), and no memory."""
     return bool(matched.hits) and matched.window > matched.hits[0][1] + cfg.window_margin
 
 
@@ -158,15 +163,19 @@ def window_score(
     resident_keys: Sequence[torch.Tensor],  # (Hkv, R, D) per summary layer
     question_keys: torch.Tensor,  # (S, Hkv, C, D)
     neighbours: int,
-) -> float:
-    """The best score of a piece of the resident window, cut into pieces as long as the matched spans:
-    what the window offers, measured the way the events were (-inf when there is nothing to compare)."""
+) -> tuple[float, tuple[int, int] | None]:
+    """The best score of a piece of the resident window, cut into pieces as long as the matched spans, and
+    where that piece lies ([start, end) in the resident keys): what the window offers, measured the way the
+    events were (-inf and None when there is nothing to compare)."""
     if not matches or question_keys.shape[2] == 0 or resident_keys[0].shape[1] == 0:
-        return float("-inf")
+        return float("-inf"), None
     span_tokens = sum(memory.event(m).length for e, _ in matches for m in match_span(memory, e, neighbours))
     span_tokens = max(1, round(span_tokens / len(matches)))
-    owner = torch.arange(resident_keys[0].shape[1]) // span_tokens  # (R,)
-    return float(token_match(resident_keys, owner, int(owner[-1]) + 1, question_keys).max())
+    n_resident = resident_keys[0].shape[1]
+    owner = torch.arange(n_resident) // span_tokens  # (R,)
+    scores = token_match(resident_keys, owner, int(owner[-1]) + 1, question_keys)  # (pieces,)
+    best = int(scores.argmax())
+    return float(scores[best]), (best * span_tokens, min(n_resident, (best + 1) * span_tokens))
 
 
 def _voted(recalled_per_layer: Iterable[list[int]], cfg: RecallConfig) -> list[int]:
