@@ -43,7 +43,7 @@ def main() -> None:
 
     base = EngineConfig()
     # The variants differ in recall.answer_budget_tokens, which only the fixed default theta reads.
-    base = base.model_copy(update={"allocation": base.allocation.model_copy(update={"mode": "fixed"})})
+    base = base.with_allocation_mode("fixed")
     configs = {name: base.model_copy(update={"recall": base.recall.model_copy(update=update)})
                for name, update in VARIANTS.items()}
     lm = EpisodicLM.from_pretrained(config=base)

@@ -114,7 +114,7 @@ def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
     thetas = design(cfg, default)
     done, added = _done(observations), 0
     observations.parent.mkdir(parents=True, exist_ok=True)
-    answer_cfg = cfg.model_copy(update={"allocation": cfg.allocation.model_copy(update={"mode": "fixed"})})
+    answer_cfg = cfg.with_allocation_mode("fixed")
     for sample in samples(cfg, lm.tokenizer):
         missing = [t for t in thetas if (_key(sample), tuple(asdict(t).values())) not in done]
         if not missing:

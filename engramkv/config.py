@@ -349,6 +349,10 @@ class EngineConfig(_Strict):
         """The stream-shaping sub-configs as plain data (what a checkpoint records and a reopen must match)."""
         return {name: getattr(self, name).model_dump() for name in self.STREAM_SETTINGS}
 
+    def with_allocation_mode(self, mode: Literal["fixed", "model", "auto"]) -> EngineConfig:
+        """This config with `allocation.mode` set (the baselines and the calibration pin "fixed")."""
+        return self.model_copy(update={"allocation": self.allocation.model_copy(update={"mode": mode})})
+
     def attention_span(self, max_new_tokens: int = 0) -> int:
         """Largest number of keys any query can see: sinks + memory + local (+ one event of slack) + chunk."""
         w, r = self.window, self.recall

@@ -30,3 +30,11 @@ def test_window_larger_than_trained_length_is_refused():
 def test_config_round_trips_through_json():
     cfg = EngineConfig(recall=RecallConfig(positions="fixed"))
     assert EngineConfig.model_validate_json(cfg.model_dump_json()) == cfg
+
+
+def test_with_allocation_mode_changes_the_mode_only():
+    cfg = EngineConfig()
+    fixed = cfg.with_allocation_mode("fixed")
+    assert fixed.allocation.mode == "fixed" and cfg.allocation.mode == "auto"
+    assert fixed.allocation.model_dump(exclude={"mode"}) == cfg.allocation.model_dump(exclude={"mode"})
+    assert fixed.model_dump(exclude={"allocation"}) == cfg.model_dump(exclude={"allocation"})

@@ -337,14 +337,9 @@ def _engram_answer(models: Models, sample: Sample, session: Any, ingest: float, 
                None if plan is None else plan.context_tokens)
 
 
-def _with_allocation(mode: str) -> EngineConfig:
-    base = EngineConfig()
-    return base.model_copy(update={"allocation": base.allocation.model_copy(update={"mode": mode})})
-
-
 # The engramkv systems other than engram-alloc answer with the fixed default theta whatever the package's
 # default mode, so that they stay the baselines they were measured as.
-FIXED = _with_allocation("fixed")
+FIXED = EngineConfig().with_allocation_mode("fixed")
 
 
 def _variant(recall: dict[str, Any] | None = None, segmentation: dict[str, Any] | None = None,
@@ -392,7 +387,7 @@ def shipped_calibration(model_id: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-ALLOCATION = _with_allocation("model")
+ALLOCATION = EngineConfig().with_allocation_mode("model")
 # Systems that differ from engram only at question time: one ingest per sample serves them all. "-chat": the
 # question asked as a user asks it (Session.chat); without: the benchmark's own prompt (Session.generate).
 QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best"}
