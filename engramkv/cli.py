@@ -126,7 +126,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     read = None if plan is None else {
         "budget_tokens": plan.budget, "events": None if plan.events is None else list(plan.events),
         "theta": None if plan.theta is None else dataclasses.asdict(plan.theta),
-        "features": list(plan.features), "context_tokens": plan.context_tokens}
+        "features": list(plan.features), "context_tokens": plan.context_tokens,
+        "window_from": plan.window_from, "window_gap": None if plan.window_gap is None else list(plan.window_gap)}
     if args.json:
         print(json.dumps({"answer": answer, "recalled": [r.model_dump(mode="json") for r in recalled], "plan": read}))
     else:
@@ -139,6 +140,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
                 t = plan.theta
                 print(f"  theta: k={t.k} events, s={t.s} tokens each, n={t.n} rounds, m={t.m} demonstrations, "
                       f"w={t.w} window tokens")
+            if plan.window_from is not None:  # part of the local window only
+                upto = "the question" if plan.window_gap is None else f"{plan.window_gap[0]}, then the question"
+                print(f"  window: stream tokens from {plan.window_from} to {upto}")
         for r in recalled if args.show_recall else []:
             print(f"  [{r.score:+.2f}] event {r.event_id} (tokens {r.token_start}-{r.token_end}): "
                   f"{_one_line(r.text)}")

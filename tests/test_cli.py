@@ -70,6 +70,7 @@ def test_ingest_then_ask_recall_stats_and_sessions(tmp_path, capsys):
     assert answer["plan"]["budget_tokens"] > 0
     assert answer["plan"]["theta"] == {"k": 4, "s": 16, "n": 1, "m": 0, "w": 64}  # the fixed default
     assert answer["plan"]["context_tokens"] > answer["plan"]["budget_tokens"]
+    assert answer["plan"]["window_from"] is None and answer["plan"]["window_gap"] is None  # the whole window
     assert cli.main(["ask", "1 2 3", "--store", store, "--show-recall", "--max-new-tokens", "2"]) == 0
     assert "theta: k=4 events, s=16 tokens each" in capsys.readouterr().out
 
