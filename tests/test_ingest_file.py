@@ -173,3 +173,62 @@ def test_file_progress_records_count_the_bytes_the_model_has_read(tmp_path):
     assert records[0].tokens == 0 and records[0].bytes_read == 0  # reported before the first chunk
     read = [r.bytes_read for r in records]
     assert read == sorted(read) and read[-1] == doc.stat().st_size == records[-1].size_bytes
+
+
+def test_a_catalog_with_no_space_left_is_a_full_store_and_keeps_the_last_commit(tmp_path, monkeypatch):
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    from engramkv.errors import StoreError
+    from engramkv.storage import catalog
+
+    doc = _doc(tmp_path / "doc.txt", n=2000)
+    expected = _reference(tmp_path, doc)
+    real_commit = catalog._commit_namespace
+    calls = [0]
+
+    def commit_until_full(*args):
+        calls[0] += 1
+        if calls[0] > 3:  # SQLite's own words for SQLITE_FULL, wrapped as SQLAlchemy raises them
+            raise OperationalError("UPDATE namespaces ...", {}, sqlite3.OperationalError("database or disk is full"))
+        return real_commit(*args)
+
+    monkeypatch.setattr(catalog, "_commit_namespace", commit_until_full)
+    _, lm = tiny_pair("llama", CFG)
+    s = lm.session(store=tmp_path / "s")
+    with pytest.raises(StoreFullError, match="no space left.*resume"):
+        s.ingest_file(doc)
+    with pytest.raises(StoreError, match="reopen"):  # the namespace is done; a reopen recovers
+        s.generate_ids([1], max_new_tokens=1)
+    s.memory.close()
+    lm.close()
+    monkeypatch.setattr(catalog, "_commit_namespace", real_commit)
+    _, lm2 = tiny_pair("llama", CFG)
+    with lm2.session(store=tmp_path / "s") as s:
+        assert s.memory.verify() == s.events
+        assert len(list((tmp_path / "s").rglob("checkpoint-*.pt"))) == 1  # the refused commit's file is gone
+        s.ingest_file(doc)
+        assert _spans(s) == expected
+    lm2.close()
+
+
+def test_a_catalog_that_refuses_a_commit_otherwise_is_a_store_error(tmp_path, monkeypatch):
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    from engramkv.errors import StoreError
+    from engramkv.storage import catalog
+
+    def refuse(*args):
+        raise OperationalError("UPDATE namespaces ...", {}, sqlite3.OperationalError("disk I/O error"))
+
+    _, lm = tiny_pair("llama", CFG)
+    s = lm.session(store=tmp_path / "s")
+    monkeypatch.setattr(catalog, "_commit_namespace", refuse)
+    with pytest.raises(StoreError, match="refused a commit") as caught:
+        s.ingest(" ".join(["7"] * 300))
+    assert not isinstance(caught.value, StoreFullError)
+    s.memory.close()
+    lm.close()

@@ -45,9 +45,10 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from engramkv.errors import StoreCorruptError
+from engramkv.errors import StoreCorruptError, StoreError, StoreFullError
 from engramkv.memory.events import DocumentProgress, Event
 from engramkv.storage.segments import BlobRef
 
@@ -271,7 +272,28 @@ def commit_namespace(
     n_tokens: int, n_events: int, checkpoint: str, checkpoint_crc: int,
 ) -> int | None:
     """One transaction: insert `events`, save `document`'s progress, point the namespace at `checkpoint`
-    (with its stream position and event count). Returns the document's row id (None without one)."""
+    (with its stream position and event count). Returns the document's row id (None without one). A
+    refused write (the catalog's disk full, a lost server) is a StoreError and changes nothing."""
+    try:
+        return _commit_namespace(db, ns_id, events, codec, document, n_tokens, n_events, checkpoint, checkpoint_crc)
+    except DBAPIError as err:
+        raise _write_failed(db, err) from err
+
+
+def _write_failed(db: Engine, err: DBAPIError) -> StoreError:
+    cause = err.orig
+    text = str(cause)
+    # SQLite says SQLITE_FULL in words; PostgreSQL's SQLSTATE 53100 is disk_full (psycopg: sqlstate).
+    if "disk is full" in text or "No space left" in text or getattr(cause, "sqlstate", None) == "53100":
+        return StoreFullError(f"the catalog {describe(db)} has no space left ({text.strip()}); the store keeps "
+                              "everything up to its last commit. Free space and run the same ingest again to resume.")
+    return StoreError(f"the catalog {describe(db)} refused a commit ({text.strip()}); the store keeps its last commit")
+
+
+def _commit_namespace(
+    db: Engine, ns_id: int, events: Sequence[StoredEvent], codec: str, document: DocumentProgress | None,
+    n_tokens: int, n_events: int, checkpoint: str, checkpoint_crc: int,
+) -> int | None:
     with Session(db) as session, session.begin():
         document_id = _save_document(session, ns_id, document) if document is not None else None
         rows = [{"namespace_id": ns_id, "ordinal": e.event.id, "document_id": document_id,

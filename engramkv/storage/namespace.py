@@ -293,6 +293,11 @@ class NamespaceMemory:
                                                len(self), name, crc)
         except OSError as err:
             self._fail(err)
+        except StoreError as err:  # the catalog refused the transaction: nothing of this commit counts
+            self.broken = str(err)
+            if name != self.checkpoint_name:  # the live checkpoint stays
+                (self.dir / name).unlink(missing_ok=True)
+            raise
         if document is not None:
             document.id = document_id
         self._document = document
