@@ -181,10 +181,12 @@ class Answerer:
 
     # ------------------------------------------------------------------ a turn
     def read_turn(self, reader: Reader, prompt_ids: list[int], preamble_ids: Sequence[int],
-                  span: tuple[int, int] | None, limit: int | None, theta: Theta | None) -> RecallPlan:
+                  span: tuple[int, int] | None, limit: int | None, theta: Theta | None,
+                  allocated: bool = False) -> RecallPlan:
         """Read a turn's preamble (and demonstrations) and return the plan its prompt is read with: matched
         against memory when `span` (the question's tokens in `prompt_ids`) is given, under `theta` or the
-        chosen one, the whole answer within `limit` effective context tokens where one is given."""
+        chosen one, the whole answer within `limit` effective context tokens where one is given.
+        `allocated`: `theta` is the model's choice made beforehand (`allocate_turns`), read as a chosen one."""
         stream = self.state.stream  # what the answer reads anyway: sinks, the local window and the turn
         turn_start, fixed = reader.tokens, stream.sink_len + len(preamble_ids) + len(prompt_ids)
         local = turn_start - stream.local_start
@@ -196,7 +198,7 @@ class Answerer:
             return dataclasses.replace(plan, context_tokens=fixed + local + plan.budget)
         reader.flush()  # the probe reads the prompt after everything queued
         assessment = self.assess(prompt_ids, span, with_i_doc=theta is not None or self.model is not None)
-        chosen, theta = theta is None, theta or self.choose(assessment, limit, fixed, local)
+        chosen, theta = theta is None or allocated, theta or self.choose(assessment, limit, fixed, local)
         if theta.m:
             reader.flush(plan, token_ids=self.demonstration_ids[theta.m])
         budget = self.memory_budget(theta, limit, fixed, local)
@@ -306,8 +308,11 @@ def allocate_turns(answerer: Answerer, reader: Reader, messages: Sequence[str], 
         default = answerer.default_theta()
         thetas: list[Theta | None] = [default] * len(turns)
     else:
-        infos = [answerer.assess(t.prompt_ids, t.question_span, with_i_doc=True).features for t in turns]
-        thetas = allocation.allocate(answerer.model, answerer.grid, infos, total, cost_of)
+        assessed = [answerer.assess(t.prompt_ids, t.question_span, with_i_doc=True) for t in turns]
+        # The window rule of `Answerer.choose`, per question.
+        grids = [allocation.whole_window(answerer.grid, question.window_answers(a.matched, cfg.recall),
+                                         cfg.window.n_local) for a in assessed]
+        thetas = allocation.allocate(answerer.model, grids, [a.features for a in assessed], total, cost_of)
     if any(theta is None for theta in thetas) or sum(cost_of(t) for t in thetas if t is not None) > total:
         cheapest = min(cost_of(t) for t in (answerer.grid if answerer.model is not None else thetas) if t)
         raise InputError(f"total_tokens {total} cannot answer {len(turns)} questions: each needs at least "

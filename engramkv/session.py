@@ -241,11 +241,12 @@ class Session:
         return pieces if stream else "".join(pieces)
 
     def _chat_pieces(self, message: str, max_new_tokens: int | None, budget_tokens: int | None,
-                     theta: Theta | None) -> Iterator[str]:
+                     theta: Theta | None, allocated: bool = False) -> Iterator[str]:
+        """`allocated`: `theta` is the allocation model's choice for this question (`ask_many`), not a caller's."""
         turn = chat.chat_turn(self.lm.tokenizer, self.cfg.generation, self._reader.chat_history, message)
         reply: list[str] = []
         for piece in self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text,
-                                 turn.question_span, budget_tokens, theta):
+                                 turn.question_span, budget_tokens, theta, allocated):
             reply.append(piece)
             yield piece
         self._reader.chat_history += [{"role": "user", "content": message},
@@ -256,8 +257,9 @@ class Session:
 
     def _reply(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                stop_text: str | None = None, question_span: tuple[int, int] | None = None,
-               budget_tokens: int | None = None, theta: Theta | None = None) -> Iterator[str]:
-        tokens = self._generate(prompt_ids, max_new_tokens, preamble_ids, question_span, budget_tokens, theta)
+               budget_tokens: int | None = None, theta: Theta | None = None, allocated: bool = False) -> Iterator[str]:
+        tokens = self._generate(prompt_ids, max_new_tokens, preamble_ids, question_span, budget_tokens, theta,
+                                allocated)
         try:
             yield from chat.stream_text(self.lm.tokenizer, tokens, stop_text)
         finally:
@@ -265,7 +267,7 @@ class Session:
 
     def _generate(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                   question_span: tuple[int, int] | None = None, budget_tokens: int | None = None,
-                  theta: Theta | None = None) -> Generator[int, None, None]:
+                  theta: Theta | None = None, allocated: bool = False) -> Generator[int, None, None]:
         """With `question_span` (the question's tokens within `prompt_ids`) and question_match = "keys",
         every layer attends to the events that match the question while the answer is read and written,
         under inference parameters `theta` (default: the allocation's choice, `answering`)."""
@@ -282,7 +284,8 @@ class Session:
             limit = budget_tokens if budget_tokens is not None else recall.answer_context_tokens
             matching = recall.enabled and recall.question_match == "keys" and len(self.memory) > 0
             plan = self.last_plan = self._answerer.read_turn(self._reader, prompt_ids, preamble_ids,
-                                                             question_span if matching else None, limit, theta)
+                                                             question_span if matching else None, limit, theta,
+                                                             allocated)
             self.last_recalled = recalled_events(self.memory, self.lm.tokenizer.decode, list(plan.hits))
             self._reader.flush(plan, token_ids=prompt_ids)
             if question_span is not None and plan.events is None:
@@ -306,7 +309,7 @@ class Session:
             chosen = answering.allocate_turns(self._answerer, self._reader, questions, total_tokens, matching)
         answers = []
         for message, (theta, limit) in zip(questions, chosen):
-            text = self.chat(message, max_new_tokens=max_new_tokens, budget_tokens=limit, theta=theta)
+            text = "".join(self._chat_pieces(message, max_new_tokens, limit, theta, allocated=theta is not None))
             plan = self.last_plan
             answers.append(Answer(question=message, text=text, theta=plan.theta and dataclasses.asdict(plan.theta),
                                   context_tokens=plan.context_tokens, recalled=self.last_recalled))

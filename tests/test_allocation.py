@@ -3,6 +3,7 @@
 import itertools
 import random
 
+import pytest
 import torch
 
 from engramkv.config import AllocationConfig
@@ -126,10 +127,20 @@ def test_questions_sharing_a_limit_spend_at_most_it():
     infos = [torch.tensor([rng.uniform(0, 4), rng.random(), rng.randint(0, 4), 0.0, rng.uniform(-1, 1)],
                           dtype=torch.float64) for _ in range(6)]
     for total in [0, 500, 3000, 12_000, 60_000]:
-        chosen = allocate(model, GRID, infos, total, _cost)
+        chosen = allocate(model, [GRID] * len(infos), infos, total, _cost)
         assert sum(_cost(t) for t in chosen if t is not None) <= total
         if total >= 6 * min(_cost(t) for t in GRID):
             assert all(t is not None for t in chosen)  # everyone is answered before anyone gets more
+
+
+def test_each_question_sharing_a_limit_takes_a_theta_of_its_own_grid():
+    model = _known_model()
+    infos = [torch.tensor([1.0, 0.5, 2.0, 0.0, 0.1], dtype=torch.float64)] * 3
+    wide = [t for t in GRID if t.w == max(g.w for g in GRID)]
+    chosen = allocate(model, [GRID, wide, GRID], infos, 60_000, _cost)
+    assert chosen[1] in wide and all(t is not None for t in chosen)
+    with pytest.raises(ValueError):
+        allocate(model, [GRID], infos, 60_000, _cost)
 
 
 def test_a_clear_match_is_given_fewer_events_than_a_flat_score_profile():

@@ -141,6 +141,20 @@ def test_ask_many_spends_at_most_its_total(tmp_path):
             session.ask_many([], total_tokens=1000)
 
 
+def test_ask_many_keeps_the_window_rule(tmp_path, monkeypatch):
+    from engramkv.retrieval import question
+
+    cfg = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(
+        update={"mode": "model", "coefficients": str(_coefficients(tmp_path, a=[0.0, 0.0, 0.0, 0.0, -3.0]))})})
+    _, session = _session(cfg)
+    monkeypatch.setattr(question, "window_answers", lambda matched, recall: True)
+    answers = session.ask_many(["1 2 3", "40 41"], total_tokens=1200, max_new_tokens=2)
+    assert all(a.theta["w"] == max(cfg.allocation.w) for a in answers)  # against coefficients that want w = 0
+    assert sum(a.context_tokens for a in answers) <= 1200
+    plan = session.last_plan
+    assert plan.events == () and plan.window_from is not None  # read as the model's choice: the best piece
+
+
 def test_coefficients_of_another_model_or_shape_are_refused(tmp_path):
     cfg = AllocationConfig(mode="model", coefficients=str(_coefficients(tmp_path, model_id="other/model")))
     with pytest.raises(ConfigError, match="fitted for other/model"):

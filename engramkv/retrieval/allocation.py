@@ -259,16 +259,19 @@ def choose(model: AllocationModel, grid: Sequence[Theta], info: torch.Tensor, li
                key=lambda t: (cost_of(t), -predicted[t], t))
 
 
-def allocate(model: AllocationModel, grid: Sequence[Theta], infos: Sequence[torch.Tensor], total: int,
+def allocate(model: AllocationModel, grids: Sequence[Sequence[Theta]], infos: Sequence[torch.Tensor], total: int,
              cost_of: Callable[[Theta], int]) -> list[Theta | None]:
-    """One theta per question, all costs together within `total` (no tolerance here: a step is taken for
-    any predicted gain, since the total is the caller's to spend). Each question starts at its cheapest
-    theta (in grid order of cost) while they fit; then, step by step, the question whose next dearer theta
-    gains the most predicted score per extra token moves up, while the total allows."""
-    ladder = sorted(set(grid), key=lambda t: (cost_of(t), t))
+    """One theta per question, from that question's grid (`grids[q]`: say, the window rule's candidates), all
+    costs together within `total` (no tolerance here: a step is taken for any predicted gain, since the total
+    is the caller's to spend). Each question starts at its cheapest theta while they fit; then, step by
+    step, the question whose next dearer theta gains the most predicted score per extra token moves up,
+    while the total allows."""
+    if len(grids) != len(infos):
+        raise ValueError(f"{len(grids)} grids for {len(infos)} questions")
+    ladders = [sorted(set(grid), key=lambda t: (cost_of(t), t)) for grid in grids]
     chosen: list[Theta | None] = [None] * len(infos)
     spent = 0
-    for q in range(len(infos)):
+    for q, ladder in enumerate(ladders):
         if ladder and spent + cost_of(ladder[0]) <= total:
             chosen[q], spent = ladder[0], spent + cost_of(ladder[0])
     while True:
@@ -278,7 +281,7 @@ def allocate(model: AllocationModel, grid: Sequence[Theta], infos: Sequence[torc
             if current is None:
                 continue
             now, base = model.predict(current, info), cost_of(current)
-            for candidate in ladder:
+            for candidate in ladders[q]:
                 extra = cost_of(candidate) - base
                 if extra <= 0 or spent + extra > total:
                     continue
