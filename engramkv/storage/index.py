@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -155,13 +156,16 @@ class LayerIndexes:
         """Write every index, then the manifest that names their size (a torn save is detected on load)."""
         directory.mkdir(parents=True, exist_ok=True)
         named = [(f"layer-{layer:03d}.faiss", index) for layer, index in enumerate(self.indexes)]
+        checksums = {}
         for name, index in [*named, ("summary.faiss", self.summary)]:
             # Streamed to the file: serialising in memory held two copies of the index at every save.
             replace_durably_with(directory / name, _writer(index))
-        replace_durably(directory / "manifest.json", json.dumps({
-            "events": len(self), "kind": self.kind, "layers": self.num_layers, "summary_layers": self.summary_layers,
-            "centres": None if self.centres is None else self.centres.tolist(),
-        }).encode())
+            checksums[name] = _crc32(directory / name)
+        body = {"events": len(self), "kind": self.kind, "layers": self.num_layers,
+                "summary_layers": self.summary_layers,
+                "centres": None if self.centres is None else self.centres.tolist(), "crc32": checksums}
+        replace_durably(directory / "manifest.json",
+                        json.dumps({**body, "manifest_crc32": _manifest_crc(body)}).encode())
 
     @classmethod
     def load(
@@ -179,16 +183,40 @@ class LayerIndexes:
 
         representatives_of(event_id) -> (layers, dim) float32, read from the event's blob;
         summary_of(event_id) -> (summary_dim,) float32, computed from the blob's keys. A store saved
-        with other summary layers (or before summaries existed) gets its summary index rebuilt.
+        with other summary layers (or before summaries existed) gets its summary index rebuilt. The indexes
+        are derived data: a damaged file (unreadable, or not the checksum its manifest records) is rebuilt
+        from the blobs, which carry checksums of their own.
         """
+        try:
+            return cls._load(directory, num_layers, dim, cfg, summary_layers, committed_events, representatives_of,
+                             summary_of)
+        except _Damaged:
+            loaded = cls(num_layers, dim, cfg, summary_layers)
+            for event_id in range(committed_events):
+                loaded.add(event_id, representatives_of(event_id), summary_of(event_id))
+            return loaded
+
+    @classmethod
+    def _load(cls, directory: Path, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int],
+              committed_events: int, representatives_of: Callable[[int], np.ndarray],
+              summary_of: Callable[[int], np.ndarray]) -> LayerIndexes:
         loaded = cls(num_layers, dim, cfg, summary_layers)
         manifest = directory / "manifest.json"
         start = 0
         if manifest.exists():
-            info = json.loads(manifest.read_text())
+            try:
+                info = json.loads(manifest.read_text())
+            except (UnicodeDecodeError, ValueError) as err:
+                raise _Damaged(f"{manifest}: {err}") from err
+            if not isinstance(info, dict) or not isinstance(info.get("crc32", {}), dict) \
+                    or not isinstance(info.get("events"), int) or info.get("kind") not in ("flat", "ivf"):
+                raise _Damaged(f"{manifest}: not an index manifest")
+            stated = info.pop("manifest_crc32", None)  # absent in stores saved before it
+            if stated is not None and stated != _manifest_crc(info):
+                raise _Damaged(f"{manifest}: checksum mismatch")
             files = [directory / f"layer-{layer:03d}.faiss" for layer in range(num_layers)]
             if info.get("layers") == num_layers and all(f.exists() for f in files):
-                indexes = [faiss.read_index(str(f)) for f in files]
+                indexes = [_read(f, info.get("crc32", {})) for f in files]
                 sizes = {int(index.ntotal) for index in indexes}
                 if sizes == {info["events"]} and info["events"] <= committed_events:
                     loaded.indexes, loaded.kind, start = indexes, str(info["kind"]), int(info["events"])
@@ -196,7 +224,7 @@ class LayerIndexes:
                         loaded.centres = np.asarray(info["centres"], dtype=np.float32)
                     summary_file = directory / "summary.faiss"
                     if info.get("summary_layers") == summary_layers and summary_file.exists():
-                        loaded.summary = faiss.read_index(str(summary_file))
+                        loaded.summary = _read(summary_file, info.get("crc32", {}))
                     if int(loaded.summary.ntotal) == start:
                         loaded.saved_events = start
                     else:  # missing, stale or torn: rebuild from the blobs
@@ -212,6 +240,33 @@ class LayerIndexes:
         for event_id in range(start, committed_events):  # catch up from the blobs
             loaded.add(event_id, representatives_of(event_id), summary_of(event_id))
         return loaded
+
+
+class _Damaged(Exception):
+    """A saved index file that cannot be trusted: the indexes are rebuilt from the blobs."""
+
+
+def _manifest_crc(body: dict[str, Any]) -> int:
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _read(path: Path, checksums: dict[str, Any]) -> faiss.Index:
+    """A saved index, checked against the manifest's checksum (stores saved before checksums: unchecked)."""
+    expected = checksums.get(path.name)
+    if expected is not None and _crc32(path) != expected:
+        raise _Damaged(f"{path}: checksum mismatch")
+    try:
+        return faiss.read_index(str(path))
+    except RuntimeError as err:  # FAISS's own error for a file it cannot parse
+        raise _Damaged(f"{path}: {err}") from err
 
 
 _CODECS = {"sq8": faiss.ScalarQuantizer.QT_8bit, "sq6": faiss.ScalarQuantizer.QT_6bit,
