@@ -9,10 +9,10 @@ the `RecallPlan` the answer is read and written with.
              round, no demonstrations, the whole window), or the allocation model's choice within the limit
              (`choose`)
     plan     the k best hits with their neighbours in time, k * s memory tokens, the local window from w
-             tokens before the prompt (a chosen theta where the window matches the question better than
-             memory: no memory, and the window's best piece widened to k * s * n tokens); with n > 1 rounds a short draft answer (made by probes, never read
+             tokens before the prompt; with n > 1 rounds a short draft answer (made by probes, never read
              into the stream) is matched together with the question, and each round's new hits join the
-             plan with k * s more tokens
+             plan with k * s more tokens. A chosen theta where the window matches the question better
+             than memory reads no memory, and of the window its best piece widened to k * s * n tokens
 
 Demonstrations (theta.m) are worked question/answer pairs read just before the prompt; like everything
 read, they join the stream.

@@ -245,9 +245,9 @@ def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default
     """Per held-out sample, the answer under the default theta, under the best fixed one, and under the
     model's choice among the design's thetas as `Answerer.choose` makes it (the tolerance; the whole window
     where the window matches better than memory, scored as measured: the observations read that window
-    whole, where a chosen answer reads its best piece, `Answerer.window_piece_plan`): within the best fixed theta's context (no more tokens;
-    without the window rule where no whole-window theta fits), and without a limit (`recall.
-    answer_context_tokens` is unset by default: how the shipped model answers)."""
+    whole, where a chosen answer reads its best piece, `Answerer.window_piece_plan`): within the best
+    fixed theta's context (no more tokens; without the window rule where no whole-window theta fits), and
+    without a limit (`recall.answer_context_tokens` is unset by default: how the shipped model answers)."""
     by_sample: dict[str, dict[Theta, dict[str, Any]]] = {}
     for row in test:
         by_sample.setdefault(row["sample"], {})[Theta(**row["theta"])] = row

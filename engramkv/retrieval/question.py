@@ -53,8 +53,8 @@ class RecallPlan:
     before (the prompt's start, for `answer_layout = "before_question"`), or `None` for before the local
     window. window_from: the stream index of the oldest local token attended (older ones are skipped;
     `None`: the whole local window). window_gap: stream indices [a, b) of local tokens skipped as well (an
-    answer that reads one piece of the window and the turn after it). hits: the matched events with their scores, best first (what an
-    answer reports). theta, features and context_tokens: the inference parameters the answer took, the
+    answer that reads one piece of the window and the turn after it). hits: the matched events with their
+    scores, best first (what an answer reports). theta, features and context_tokens: the inference parameters the answer took, the
     question's informativeness (`retrieval.allocation`) and the tokens it attends to besides its reply,
     for reports.
     """
