@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import shutil
 from collections import defaultdict
 from pathlib import Path
 
 from _common import RESULTS, write_results
-from evaluate import wilson
+from evalkit.stats import paired_bootstrap, sign_test, wilson
 from engramkv import EngineConfig, calibrate
 from engramkv.answering import coefficients_path
 from engramkv.hf import DEFAULT_MODEL_ID
@@ -122,23 +120,6 @@ def main() -> None:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
-
-
-def paired_bootstrap(a: list[float], b: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """95% interval of mean(a - b) over pairs, by resampling the pairs with replacement."""
-    diff = [x - y for x, y in zip(a, b)]
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(diff, k=len(diff))) / len(diff) for _ in range(resamples))
-    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
-
-
-def sign_test(better: int, worse: int) -> float:
-    """Two-sided exact sign test of `better` against `worse` paired outcomes (ties left out)."""
-    n = better + worse
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(better, worse) + 1)) / 2**n
-    return min(1.0, 2 * tail)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import Any
 from _common import CODE, RESULTS, ROOT, write_results
 from engramkv.config import ModelConfig
 from engramkv.hf import load_pretrained
+from evalkit.stats import wilson
 from evalkit.systems import ALLOCATION_SYSTEMS, DEFAULT_SYSTEMS, OPTIONAL_SYSTEMS, SYSTEMS, Models, system_config
 from engramkv.tasks import TASKS
 
@@ -258,13 +259,6 @@ def _cell(scores: list[float]) -> str:
     n, mean = len(scores), sum(scores) / len(scores)
     lo, hi = wilson(mean, n)
     return f"{mean:.2f} ({n}; {lo:.2f}-{hi:.2f})"
-
-
-def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval of a proportion p observed over n samples."""
-    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    scale = 1 + z * z / n
-    return max(0.0, (centre - half) / scale), min(1.0, (centre + half) / scale)
 
 
 def _context_cell(runs: list[dict[str, Any]]) -> str:

@@ -1,0 +1,31 @@
+"""The statistics the reports share: an interval for a mean score, and paired comparisons of two systems
+answering the same samples."""
+
+from __future__ import annotations
+
+import math
+import random
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion p observed over n samples."""
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    scale = 1 + z * z / n
+    return max(0.0, (centre - half) / scale), min(1.0, (centre + half) / scale)
+
+
+def paired_bootstrap(a: list[float], b: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of mean(a - b) over pairs, by resampling the pairs with replacement."""
+    diff = [x - y for x, y in zip(a, b, strict=True)]
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(diff, k=len(diff))) / len(diff) for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def sign_test(better: int, worse: int) -> float:
+    """Two-sided exact sign test of `better` against `worse` paired outcomes (ties left out)."""
+    n = better + worse
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(better, worse) + 1)) / 2**n
+    return min(1.0, 2 * tail)

@@ -1,0 +1,59 @@
+"""benchmarks/allocation_report.py: the allocation grid merged from its result files, against the issue's
+targets (paired differences, RAG with the recall split, chat-path parity)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import allocation_report  # noqa: E402
+from evalkit.stats import paired_bootstrap, sign_test  # noqa: E402
+
+
+def _run(task, system, seed, score, length=4096, recalled=None, context=300):
+    return {"task": task, "system": system, "length": length, "seed": seed, "score": score, "commit": "a" * 40,
+            "answers_in_recalled": recalled, "answer_context_tokens": context}
+
+
+def _write(directory, name, runs):
+    (directory / f"{name}.json").write_text(json.dumps({"commit": "a" * 40, "commands": ["python x"],
+                                                         "model": "m", "runs": runs}))
+
+
+def test_the_report_merges_files_and_checks_the_targets(tmp_path):
+    one = [_run("passkey", "engram-alloc", s, 1.0, recalled=1.0) for s in range(20)]
+    one += [_run("passkey", "engram-alloc-chat", s, 1.0 if s < 16 else 0.0) for s in range(20)]  # 0.8 of it
+    one += [_run("passkey", "engram-best", s, 1.0 if s < 10 else 0.0, context=280) for s in range(20)]
+    two = [_run("passkey", "rag", s, 1.0 if s % 2 else 0.0) for s in range(20)]
+    two += [_run("kv", "engram-alloc", s, 0.0, recalled=0.0) for s in range(3)]
+    _write(tmp_path, "a", one)
+    _write(tmp_path, "b", two)
+    allocation_report.main(["--dir", str(tmp_path), "--names", "a", "b", "--name", "out"])
+    md = (tmp_path / "out.md").read_text()
+    assert "| passkey | 4,096 | engram-alloc | 1.00 (20) | 0.80 | 0.80 (below) |" in md  # parity missed
+    assert "| kv | 4,096 | 0.00 (3) |" in md  # three samples: short of 20
+    assert "0.00 (3*; " in md
+    lo, hi = paired_bootstrap([1.0] * 20, [1.0 if s < 10 else 0.0 for s in range(20)])
+    assert f"+0.500 ({lo:+.3f} to {hi:+.3f}; n 20); 10 / 0 (p {sign_test(10, 0):.3f})" in md  # against best
+    assert "| passkey | 4,096 | 1.00 (20) | 1.00 | 0.50 (20) |" in md  # against RAG, recall split
+    payload = json.loads((tmp_path / "out.json").read_text())
+    assert payload["summary"]["engram-alloc|passkey|4096"] == {"mean": 1.0, "n": 20}
+    assert set(payload["sources"]) == {"a", "b"} and payload["commit"]
+
+
+def test_a_missing_or_foreign_file_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="does not exist"):
+        allocation_report.main(["--dir", str(tmp_path), "--names", "nope"])
+    (tmp_path / "other.json").write_text(json.dumps({"figure": 1}))
+    with pytest.raises(SystemExit, match="not an evaluation result file"):
+        allocation_report.main(["--dir", str(tmp_path), "--names", "other"])
+
+
+def test_sign_test_and_bootstrap():
+    assert sign_test(0, 0) == 1.0 and sign_test(5, 5) == 1.0
+    assert round(sign_test(10, 0), 4) == round(2 / 2**10, 4)
+    lo, hi = paired_bootstrap([1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0])
+    assert -1.0 <= lo <= 0.5 <= hi <= 1.0
