@@ -210,7 +210,12 @@ class Answerer:
         window = local if plan.window_from is None else min(local, turn_start - plan.window_from)
         if plan.window_gap is not None:
             window -= max(0, min(plan.window_gap[1], turn_start) - max(plan.window_gap[0], turn_start - window))
-        memory = plan.budget if plan.events is None else sum(self.memory.event(e).length for e in plan.events)
+        if plan.events is None:
+            memory = plan.budget
+        elif plan.event_tokens is not None:
+            memory = sum(end - first for first, end in plan.event_tokens)
+        else:
+            memory = sum(self.memory.event(e).length for e in plan.events)
         demonstrations = len(self.demonstration_ids[theta.m])
         return dataclasses.replace(plan, context_tokens=fixed + window + memory + demonstrations)
 
@@ -227,6 +232,7 @@ class Answerer:
         plan = question.plan_answer(self.memory, assessment.matched, recall, self.state.n_tokens, per_round,
                                     theta.k, window_from)
         hits = list(plan.hits)
+        keyed = [(event_id, assessment.matched.keys) for event_id, _ in hits]  # the keys each hit was found by
         for round_ in range(2, theta.n + 1):
             if not plan.events:
                 break  # nothing matched, or the window answers: no draft to match
@@ -238,9 +244,15 @@ class Answerer:
             for hit in again.hits:
                 if all(abs(hit[0] - other) > recall.match_neighbours for other, _ in hits):
                     hits.append(hit)
-            events = question.answer_events(self.memory, [e for e, _ in hits], per_round * round_,
-                                            recall.max_neighbour_distance)
-            plan = RecallPlan(tuple(events), per_round * round_, plan.memory_at, tuple(hits), window_from)
+                    keyed.append((hit[0], keys))
+            if recall.answer_reading == "centred":
+                events, parts = question.centred_parts(self.memory, keyed, self.state.summary_layers,
+                                                       per_round * round_, recall)
+            else:
+                events, parts = tuple(question.answer_events(self.memory, [e for e, _ in hits], per_round * round_,
+                                                             recall.max_neighbour_distance)), None
+            plan = RecallPlan(events, per_round * round_, plan.memory_at, tuple(hits), window_from,
+                              event_tokens=parts)
         return dataclasses.replace(plan, theta=theta, features=tuple(assessment.features.tolist()))
 
     def window_piece_plan(self, assessment: Assessment, theta: Theta, window_end: int, budget: int) -> RecallPlan:

@@ -126,6 +126,12 @@ class RecallConfig(_Strict):
         "as retrieval-augmented prompts put their chunks.",
     )
     memory_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    answer_reading: Literal["events", "centred"] = Field(
+        default="events",
+        description="What an answer reads of its hits: 'events': each hit whole, then its temporal neighbours "
+        "while the budget lasts; 'centred': for each hit, budget / hits consecutive tokens across its "
+        "neighbourhood, centred where the question's keys match it best (events cut at both ends).",
+    )
     question_match: Literal["keys", "attention"] = Field(
         default="keys",
         description=(

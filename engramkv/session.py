@@ -241,16 +241,15 @@ class Session:
         return pieces if stream else "".join(pieces)
 
     def _chat_pieces(self, message: str, max_new_tokens: int | None, budget_tokens: int | None,
-                     theta: Theta | None, allocated: bool = False) -> Iterator[str]:
-        """`allocated`: `theta` is the allocation model's choice for this question (`ask_many`), not a caller's."""
+                     theta: Theta | None, allocated: bool = False) -> Iterator[str]:  # allocated: ask_many's theta
         turn = chat.chat_turn(self.lm.tokenizer, self.cfg.generation, self._reader.chat_history, message)
         reply: list[str] = []
         for piece in self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text,
                                  turn.question_span, budget_tokens, theta, allocated):
             reply.append(piece)
             yield piece
-        self._reader.chat_history += [{"role": "user", "content": message},
-                                      {"role": "assistant", "content": "".join(reply)}]
+        history = [{"role": "user", "content": message}, {"role": "assistant", "content": "".join(reply)}]
+        self._reader.chat_history += history
         if self.memory.persistent:
             with self._exclusive("commit"):
                 self._reader.commit()
@@ -294,17 +293,16 @@ class Session:
                                    max_new, stop, generation)
 
     def ask_many(self, questions: Sequence[str], total_tokens: int, max_new_tokens: int | None = None) -> list[Answer]:
-        """Answer `questions` as chat turns, in order, their effective context (`RecallPlan.context_tokens`)
-        together at most `total_tokens`: with the allocation model, each step of budget goes to the question
-        with the best predicted gain per token; else each takes the default theta. A total too small for
-        every question raises `InputError` before anything is read."""
+        """Answer `questions` as chat turns, in order, their effective context (`RecallPlan.context_tokens`) together
+        at most `total_tokens`: with the allocation model, each step of budget goes to the question with the best
+        predicted gain per token; else the default theta. A total too small raises `InputError` before reading."""
         if isinstance(questions, str) or not questions or not all(isinstance(q, str) and q.strip() for q in questions):
             raise InputError("ask_many takes a non-empty list of non-blank questions")
         if total_tokens < 0:
             raise InputError(f"total_tokens must be 0 or more, got {total_tokens}")
-        recall = self.cfg.recall
         with self._exclusive("ask_many"):
             self._reader.flush()
+            recall = self.cfg.recall
             matching = recall.enabled and recall.question_match == "keys" and len(self.memory) > 0
             chosen = answering.allocate_turns(self._answerer, self._reader, questions, total_tokens, matching)
         answers = []

@@ -257,3 +257,31 @@ def test_an_empty_gap_changes_nothing_and_skipped_tokens_receive_no_attention():
     gap = slice(10, 15)
     torch.testing.assert_close(after[:, gap], before[:, gap], rtol=0, atol=0)
     assert (after[:, :10] > before[:, :10]).all() and after.shape[1] == before.shape[1] + 3
+
+
+def test_a_plan_that_reads_parts_of_events_attends_to_those_tokens_alone():
+    # Reading events 3 and 4 whole equals reading them as parts covering all their tokens; a part that
+    # leaves tokens out changes the answer's logits.
+    _, one = _session(seed=7)
+    _, two = _session(seed=7)
+    _, three = _session(seed=7)
+    lengths = [one.memory.event(e).length for e in (3, 4)]
+    prompt = torch.tensor([9, 10, 11])
+    whole = one.state.step(prompt, RecallPlan((3, 4), 64))
+    parts = two.state.step(prompt, RecallPlan((3, 4), 64, event_tokens=((0, lengths[0]), (0, lengths[1]))))
+    torch.testing.assert_close(whole, parts, rtol=0, atol=0)
+    cut = three.state.step(prompt, RecallPlan((3, 4), 64, event_tokens=((1, lengths[0]), (0, 2))))
+    assert not torch.allclose(whole, cut)
+    assert three.state.layers[0].recalled_kv[0].shape[1] == lengths[0] - 1 + 2
+
+
+@pytest.mark.parametrize("theta", [Theta(1, 8, 1, 0, 0), Theta(2, 16, 2, 0, 16)])
+def test_centred_reading_reads_parts_within_the_budget(theta):
+    cfg = CFG.model_copy(update={"recall": CFG.recall.model_copy(update={"answer_reading": "centred"})})
+    _, session = _session(cfg)
+    session.chat("1 2 3", max_new_tokens=2, theta=theta)
+    plan = session.last_plan
+    assert plan.events and plan.event_tokens is not None and len(plan.event_tokens) == len(plan.events)
+    read = sum(b - a for a, b in plan.event_tokens)
+    assert 0 < read <= theta.k * theta.s * theta.n
+    assert session.state.layers[0].recalled_kv[0].shape[1] == read

@@ -283,3 +283,29 @@ def test_a_context_limit_per_answer_bounds_what_it_reads():
     assert session.last_plan.budget == 0 and not session.last_plan.events
     with pytest.raises(InputError, match="budget_tokens"):
         session.chat(question, budget_tokens=-1)
+
+
+def test_centred_reading_reads_the_budget_around_the_best_match_across_event_boundaries():
+    from engramkv.retrieval.question import centred_parts
+
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    session.ingest(" ".join(str(i % VOCAB) for i in range(7, 900, 3)))
+    memory, layers = session.memory, session.state.summary_layers
+    hit = len(memory) // 2
+    # The question: the keys of 3 tokens of the hit's preceding event, so the best matches lie there.
+    before = hit - 1
+    keys = torch.stack([memory.gather(layer, [before])[0][:, :3] for layer in layers])  # (S, Hkv, 3, D)
+    cfg = CFG.recall.model_copy(update={"max_neighbour_distance": 3})
+    events, parts = centred_parts(memory, [(hit, keys)], layers, 20, cfg)
+    assert sum(b - a for a, b in parts) == 20  # the budget, exactly
+    assert before in events and list(events) == sorted(events)
+    read = {e: p for e, p in zip(events, parts)}
+    assert read[before][0] < 3  # the matched tokens are read
+    for event_id, (a, b) in read.items():
+        assert 0 <= a < b <= memory.event(event_id).length
+    # Two hits whose windows overlap read the union once; no hits, nothing.
+    events2, parts2 = centred_parts(memory, [(hit, keys), (hit - 1, keys)], layers, 40, cfg)
+    assert sum(b - a for a, b in parts2) <= 40
+    assert centred_parts(memory, [], layers, 40, cfg) == ((), ())
+    lm.close()

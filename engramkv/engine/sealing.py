@@ -40,6 +40,7 @@ class LayerState:
     local_v: torch.Tensor  # (Hkv, L, D)
     local_attention: torch.Tensor  # (Hkv, L) float32, attention received while resident
     recalled_ids: list[int] = field(default_factory=list)
+    recalled_tokens: tuple[tuple[int, int], ...] | None = None  # the part of each recalled event read (None: all)
     recalled_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     buffer: deque[int] = field(default_factory=deque)  # similarity hits of earlier steps (contiguity)
 

@@ -20,6 +20,7 @@ queries (`retrieval.recall`); a prompt and its answer are read with a `RecallPla
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,16 +184,20 @@ class EpisodicState:
             if forward.probe:
                 forward.queries[layer] = query
             plan = forward.plan
+            parts = None
             if plan is not None and plan.events is not None:
-                ids = list(plan.events)
+                ids, parts = list(plan.events), plan.event_tokens
             else:
                 budget = plan.budget if plan is not None else self.cfg.recall.budget_tokens
                 ids = select_events(self.memory, layer, query, self.cfg.recall, self.cfg.segmentation.min_event,
                                     None if forward.probe else st.buffer, budget=budget)
-            if ids != st.recalled_ids or st.recalled_kv is None:
-                k, v = self.memory.gather(layer, ids)
+            if ids != st.recalled_ids or parts != st.recalled_tokens or st.recalled_kv is None:
+                k, v = self.memory.gather(layer, ids)  # (Hkv, M, D) each
+                if parts is not None:
+                    keep = _parts_index([self.memory.event(e).length for e in ids], parts)  # (M',)
+                    k, v = k[:, keep], v[:, keep]
                 st.recalled_kv = (k.to(self.device, self.dtype), v.to(self.device, self.dtype))
-                st.recalled_ids = ids
+                st.recalled_ids, st.recalled_tokens = ids, parts
         return st.recalled_kv
 
     def _group_query(self, q: torch.Tensor) -> torch.Tensor:  # (H, C, D) -> (Hkv * D,)
@@ -259,12 +264,12 @@ class EpisodicState:
     @torch.inference_mode()
     def probe(self, token_ids: torch.Tensor, plan: RecallPlan | None = None) -> Probe:
         """Run `token_ids` (T,) without changing the stream; returns each layer's recall query and keys."""
-        saved = [(st.recalled_ids, st.recalled_kv) for st in self.layers]
+        saved = [(st.recalled_ids, st.recalled_tokens, st.recalled_kv) for st in self.layers]
         forward = self._pass(plan, refresh=True, probe=True)
         logits = hf.forward(self.model, token_ids[None].to(self.device), forward, logits_to_keep=1).cpu()
         recalled = [list(st.recalled_ids) for st in self.layers]
-        for st, (ids, kv) in zip(self.layers, saved):
-            st.recalled_ids, st.recalled_kv = ids, kv
+        for st, (ids, parts, kv) in zip(self.layers, saved):
+            st.recalled_ids, st.recalled_tokens, st.recalled_kv = ids, parts, kv
         empty = torch.zeros(self.spec.num_kv_heads * self.spec.head_dim)
         queries = [query if query is not None else empty for query in forward.queries]
         keys = [key.float().cpu() for key in forward.keys if key is not None]
@@ -312,4 +317,16 @@ class EpisodicState:
             st.local_attention = saved["local_attention"]
             st.buffer.clear()
             st.buffer.extend(saved["buffer"])
-            st.recalled_ids, st.recalled_kv = [], None
+            st.recalled_ids, st.recalled_tokens, st.recalled_kv = [], None, None
+
+
+def _parts_index(lengths: list[int], parts: Sequence[tuple[int, int]]) -> torch.Tensor:  # (M',)
+    """Positions, in events gathered back to back with these `lengths`, of each event's [first, end) part."""
+    if len(parts) != len(lengths):
+        raise ValueError(f"{len(parts)} token ranges for {len(lengths)} events")
+    starts = [0]
+    for length in lengths[:-1]:
+        starts.append(starts[-1] + length)
+    pieces = [torch.arange(start + max(0, a), start + min(b, length))
+              for start, length, (a, b) in zip(starts, lengths, parts)]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)

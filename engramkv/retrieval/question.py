@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +49,9 @@ class RecallPlan:
     """How a prompt and its answer read memory: which events, where they sit, and the token budget.
 
     events: the events every layer attends to (chronological); `None` lets each layer recall by its own
-    queries within `budget`, `()` recalls nothing. memory_at: the stream index the recalled events sit
+    queries within `budget`, `()` recalls nothing. event_tokens: for each of `events`, the [first, end)
+    token offsets within it that are read (`None`: whole events; `recall.answer_reading = "centred"`).
+    memory_at: the stream index the recalled events sit
     before (the prompt's start, for `answer_layout = "before_question"`), or `None` for before the local
     window. window_from: the stream index of the oldest local token attended (older ones are skipped;
     `None`: the whole local window). window_gap: stream indices [a, b) of local tokens skipped as well (an
@@ -65,6 +67,7 @@ class RecallPlan:
     hits: tuple[tuple[int, float], ...] = ()
     window_from: int | None = None
     window_gap: tuple[int, int] | None = None  # stream indices [a, b) of local tokens also skipped
+    event_tokens: tuple[tuple[int, int], ...] | None = None  # per event of `events`: [first, end) offsets read
     theta: Theta | None = None
     features: tuple[float, ...] = ()
     context_tokens: int = 0  # effective context of the answer: sinks, attended window, turn, memory
@@ -78,6 +81,8 @@ class QuestionMatch:
     scores: tuple[float, ...]  # the span score of every re-ranked candidate (what informativeness reads)
     window: float  # the best piece of the resident window, scored the same way (-inf: nothing to compare)
     window_piece: tuple[int, int] | None = None  # that piece: [start, end) in the resident keys (sinks first)
+    keys: torch.Tensor | None = field(default=None, compare=False)  # (S, Hkv, C, D) the question's, as matched
+    layers: tuple[int, ...] = ()  # the summary layers of `keys`
 
 
 def answer_budget(cfg: RecallConfig, limit: int | None = None, context_tokens: int = 0) -> int:
@@ -111,7 +116,7 @@ def assess(
                                  neighbours=cfg.match_neighbours)
     window, piece = window_score(memory, hits[: cfg.answer_hits], resident_keys, question_keys,
                                  cfg.match_neighbours)
-    return QuestionMatch(tuple(hits), tuple(scores), window, piece)
+    return QuestionMatch(tuple(hits), tuple(scores), window, piece, question_keys, tuple(layers))
 
 
 def window_answers(matched: QuestionMatch, cfg: RecallConfig) -> bool:
@@ -138,9 +143,14 @@ def plan_answer(
         return RecallPlan(events=None, budget=budget, window_from=window_from)  # the per-layer recall decides
     if window_from is None and window_answers(matched, cfg):
         return RecallPlan(events=(), budget=budget)
-    events = answer_events(memory, [event_id for event_id, _ in hits], budget, cfg.max_neighbour_distance)
     before_question = cfg.answer_layout == "before_question" and cfg.positions == "contiguous"
-    return RecallPlan(tuple(events), budget, prompt_start if before_question else None, tuple(hits), window_from)
+    memory_at = prompt_start if before_question else None
+    if cfg.answer_reading == "centred" and matched.keys is not None:
+        events, parts = centred_parts(memory, [(event_id, matched.keys) for event_id, _ in hits], matched.layers,
+                                      budget, cfg)
+        return RecallPlan(events, budget, memory_at, tuple(hits), window_from, event_tokens=parts)
+    events = answer_events(memory, [event_id for event_id, _ in hits], budget, cfg.max_neighbour_distance)
+    return RecallPlan(tuple(events), budget, memory_at, tuple(hits), window_from)
 
 
 def match(
@@ -236,6 +246,20 @@ def best_cosines(
     return torch.stack(out)
 
 
+def best_positions(
+    keys: Sequence[torch.Tensor],  # (Hkv, M, D) per summary layer: the tokens of one span
+    question_keys: torch.Tensor,  # (S, Hkv, C, D)
+) -> torch.Tensor:  # (S * C,)
+    """For each summary layer and question token, the span token whose key has the best cosine with it
+    (mean over heads)."""
+    out = []
+    for layer_keys, question in zip(keys, question_keys):
+        span_keys = F.normalize(layer_keys.float().cpu(), dim=-1)
+        question = F.normalize(question.float(), dim=-1)  # (Hkv, C, D)
+        out.append(torch.einsum("hmd,hcd->mc", span_keys, question).argmax(dim=0))  # (C,)
+    return torch.cat(out)
+
+
 def token_match(
     keys: Sequence[torch.Tensor],  # (Hkv, M, D) per summary layer: the tokens of one or more spans
     owner: torch.Tensor,  # (M,) which span each token belongs to
@@ -301,6 +325,47 @@ def answer_events(memory: EventMemory, hits: Sequence[int], budget: int, max_dis
             used += length
     add_neighbours(memory, chosen, [h for h in hits if h in chosen], used, budget, max_distance)
     return sorted(chosen)
+
+
+def centred_parts(
+    memory: EventMemory,
+    hits: Sequence[tuple[int, torch.Tensor]],  # (event id, (S, Hkv, C, D) the keys it was matched with), best first
+    layers: Sequence[int],  # the summary layers those keys are of
+    budget: int,
+    cfg: RecallConfig,
+) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """What an answer reads with `answer_reading = "centred"`: for each hit, budget / hits consecutive tokens
+    of its neighbourhood (up to `max_neighbour_distance` events each side), centred where the question
+    matches it (the median position of the tokens that best match each question token at each summary
+    layer, within the hit's match span). Returns the events touched (chronological) and, for each, the
+    [first, end) token offsets read (parts of one event merged into the range that covers them).
+
+    Why: whole events spend a budget on whatever the event holds. Measured on the embedded model, a pass key
+    split as " pass key is 8489" | "4. Remember it. 84894" | " is the pass key. The grass is green..." (128
+    tokens of filler) is matched at the third event, which alone fills a 128-token budget: the key is not
+    read. The question's words sit next to the answer, whichever event boundaries fall between them.
+    """
+    per_hit = budget // len(hits) if hits else 0
+    read: dict[int, tuple[int, int]] = {}
+    for hit, question_keys in hits if per_hit > 0 else []:
+        region = list(range(max(0, hit - cfg.max_neighbour_distance),
+                            min(len(memory), hit + cfg.max_neighbour_distance + 1)))
+        lengths = [memory.event(e).length for e in region]
+        starts = [sum(lengths[:i]) for i in range(len(region))]  # of each event in the region's tokens
+        span = list(match_span(memory, hit, cfg.match_neighbours))
+        keys = [memory.gather(layer, span)[0] for layer in layers]  # (Hkv, M, D) per summary layer
+        positions = best_positions(keys, question_keys)  # (S * C,) in the span's tokens
+        centre = starts[region.index(span[0])] + int(positions.float().median())
+        total = sum(lengths)
+        first = min(max(0, centre - per_hit // 2), max(0, total - per_hit))
+        last = min(total, first + per_hit)
+        for event_id, start, length in zip(region, starts, lengths):
+            a, b = max(first, start) - start, min(last, start + length) - start
+            if a < b:
+                old = read.get(event_id)
+                read[event_id] = (a, b) if old is None else (min(a, old[0]), max(b, old[1]))
+    events = tuple(sorted(read))
+    return events, tuple(read[e] for e in events)
 
 
 def match_by_queries(memory: EventMemory, queries: Sequence[torch.Tensor], k: int) -> list[tuple[int, float]]:
