@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engramkv import EngramError, GenerationConfig, IngestProgress
+from engramkv import ConfigError, EngramError, GenerationConfig, IngestProgress
 
 DEFAULT_STORE = "~/.engramkv/store"
 
@@ -153,7 +153,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from engramkv import EngineConfig, calibrate
 
-    base = EngineConfig()
+    base = _config_file(args.config) if args.config else EngineConfig()
     updates = {name: getattr(args, name) for name in ("tasks", "lengths", "samples", "design_size")
                if getattr(args, name) is not None}
     cfg = base.model_copy(update={"calibration": base.calibration.model_copy(update=updates)})
@@ -172,6 +172,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"  held-out mean score, {name:20s} {score:.3f} at {report.held_out_context[name]:.0f} context tokens")
     print(f"  best fixed theta {report.best_fixed_theta}; default {report.default_theta}")
     return 0
+
+
+def _config_file(path: str) -> Any:
+    """An `EngineConfig` from a JSON file of the fields to change (the rest default)."""
+    from pydantic import ValidationError
+
+    from engramkv import EngineConfig
+
+    try:
+        return EngineConfig.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"--config {path}: cannot read a JSON config ({err})") from err
+    except ValidationError as err:
+        raise ConfigError(f"--config {path}: {err}") from err
 
 
 def _progress_line(line: str) -> None:
@@ -324,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-id", default=None, help="with --fit-only: the model the observations are of "
                    "(default: the embedded model's id)")
     p.add_argument("--model", default=None, help="hub id or local path of the model to calibrate (default: embedded)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help='JSON of the EngineConfig fields to change, e.g. {"recall": {"answer_reading": "centred"}}; '
+                   "the options above override its calibration fields")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.set_defaults(run=cmd_calibrate)
 

@@ -162,3 +162,20 @@ def test_calibrate_fit_only_writes_coefficients_an_ask_can_use(tmp_path, capsys)
                      "--coefficients", str(out)]) == 0
     plan = json.loads(capsys.readouterr().out.splitlines()[-1])["plan"]
     assert plan["theta"] is not None and len(plan["features"]) == 5
+
+
+def test_calibrate_config_file_errors_are_clear(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"recall": {"answer_reading": "sideways"}}')
+    assert cli.main(["calibrate", "--config", str(bad), "--fit-only", "--work-dir", str(tmp_path)]) != 0
+    assert "answer_reading" in capsys.readouterr().err
+    assert cli.main(["calibrate", "--config", str(tmp_path / "none.json"), "--fit-only"]) != 0
+    assert "cannot read a JSON config" in capsys.readouterr().err
+
+
+def test_calibrate_config_file_changes_only_the_fields_it_names(tmp_path):
+    path = tmp_path / "centred.json"
+    path.write_text('{"recall": {"answer_reading": "centred"}}')
+    cfg = cli._config_file(str(path))
+    assert cfg.recall.answer_reading == "centred"
+    assert cfg.recall.model_dump(exclude={"answer_reading"}) == EngineConfig().recall.model_dump(exclude={"answer_reading"})
