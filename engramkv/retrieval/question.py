@@ -348,8 +348,8 @@ def centred_parts(
     per_hit = budget // len(hits) if hits else 0
     read: dict[int, tuple[int, int]] = {}
     for hit, question_keys in hits if per_hit > 0 else []:
-        region = list(range(max(0, hit - cfg.max_neighbour_distance),
-                            min(len(memory), hit + cfg.max_neighbour_distance + 1)))
+        reach = max(cfg.max_neighbour_distance, cfg.match_neighbours)  # the region holds the match span
+        region = list(range(max(0, hit - reach), min(len(memory), hit + reach + 1)))
         lengths = [memory.event(e).length for e in region]
         starts = [sum(lengths[:i]) for i in range(len(region))]  # of each event in the region's tokens
         span = list(match_span(memory, hit, cfg.match_neighbours))
