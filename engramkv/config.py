@@ -130,7 +130,9 @@ class RecallConfig(_Strict):
         default="events",
         description="What an answer reads of its hits: 'events': each hit whole, then its temporal neighbours "
         "while the budget lasts; 'centred': for each hit, budget / hits consecutive tokens across its "
-        "neighbourhood, centred where the question's keys match it best (events cut at both ends).",
+        "neighbourhood, centred where the question's keys match it best (events cut at both ends). Measured on "
+        "the embedded model's 4k calibration (544 answers paired): 'centred' -0.012 (95% -0.026 to +0.001), "
+        "7 answers better, 16 worse; it finds the pass keys whose hit is a long filler event next to the key.",
     )
     question_match: Literal["keys", "attention"] = Field(
         default="keys",
