@@ -245,12 +245,8 @@ class Answerer:
                 if all(abs(hit[0] - other) > recall.match_neighbours for other, _ in hits):
                     hits.append(hit)
                     keyed.append((hit[0], keys))
-            if recall.answer_reading == "centred":
-                events, parts = question.centred_parts(self.memory, keyed, self.state.summary_layers,
-                                                       per_round * round_, recall)
-            else:
-                events, parts = tuple(question.answer_events(self.memory, [e for e, _ in hits], per_round * round_,
-                                                             recall.max_neighbour_distance)), None
+            events, parts = question.read_hits(self.memory, keyed, self.state.summary_layers, per_round * round_,
+                                               recall)
             plan = RecallPlan(events, per_round * round_, plan.memory_at, tuple(hits), window_from,
                               event_tokens=parts)
         return dataclasses.replace(plan, theta=theta, features=tuple(assessment.features.tolist()))

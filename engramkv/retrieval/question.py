@@ -56,9 +56,9 @@ class RecallPlan:
     window. window_from: the stream index of the oldest local token attended (older ones are skipped;
     `None`: the whole local window). window_gap: stream indices [a, b) of local tokens skipped as well (an
     answer that reads one piece of the window and the turn after it). hits: the matched events with their
-    scores, best first (what an answer reports). theta, features and context_tokens: the inference parameters the answer took, the
-    question's informativeness (`retrieval.allocation`) and the tokens it attends to besides its reply,
-    for reports.
+    scores, best first (what an answer reports). theta, features and context_tokens: the inference
+    parameters the answer took, the question's informativeness (`retrieval.allocation`) and the tokens it
+    attends to besides its reply, for reports.
     """
 
     events: tuple[int, ...] | None
@@ -145,12 +145,22 @@ def plan_answer(
         return RecallPlan(events=(), budget=budget)
     before_question = cfg.answer_layout == "before_question" and cfg.positions == "contiguous"
     memory_at = prompt_start if before_question else None
-    if cfg.answer_reading == "centred" and matched.keys is not None:
-        events, parts = centred_parts(memory, [(event_id, matched.keys) for event_id, _ in hits], matched.layers,
-                                      budget, cfg)
-        return RecallPlan(events, budget, memory_at, tuple(hits), window_from, event_tokens=parts)
-    events = answer_events(memory, [event_id for event_id, _ in hits], budget, cfg.max_neighbour_distance)
-    return RecallPlan(tuple(events), budget, memory_at, tuple(hits), window_from)
+    events, parts = read_hits(memory, [(event_id, matched.keys) for event_id, _ in hits], matched.layers, budget, cfg)
+    return RecallPlan(events, budget, memory_at, tuple(hits), window_from, event_tokens=parts)
+
+
+def read_hits(
+    memory: EventMemory,
+    hits: Sequence[tuple[int, torch.Tensor | None]],  # (event id, the keys it was matched with), best first
+    layers: Sequence[int],
+    budget: int,
+    cfg: RecallConfig,
+) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...] | None]:
+    """What an answer reads of its hits within `budget` (`recall.answer_reading`): the events, chronological,
+    and their parts read (None: whole events)."""
+    if cfg.answer_reading == "centred" and all(keys is not None for _, keys in hits):
+        return centred_parts(memory, hits, layers, budget, cfg)  # type: ignore[arg-type]  # keys checked above
+    return tuple(answer_events(memory, [event_id for event_id, _ in hits], budget, cfg.max_neighbour_distance)), None
 
 
 def match(
