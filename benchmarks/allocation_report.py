@@ -159,8 +159,11 @@ def _against_rag(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], len
     lines = ["", "## Against RAG, per task and length", "",
              "Recalled: the share of expected answers that were in the events the model's answer read (its "
              "hits and their neighbours); where it is high and the score low, the events were found and misread. "
-             "An answer that reads the local window instead (the window rule) recalls none.", "",
-             "| task | length | engram-alloc | recalled | rag | alloc against rag |", "|---|---|---|---|---|---|"]
+             "An answer that reads the local window instead (the window rule) recalls none. Read: the share in "
+             "everything the answer attended to besides its turn (sinks, the part of the window read, memory), "
+             "over the runs that recorded it (`-`: none did, runs made before it was recorded).", "",
+             "| task | length | engram-alloc | recalled | read | rag | alloc against rag |",
+             "|---|---|---|---|---|---|---|"]
     model, rag = by.get("engram-alloc", {}), by.get("rag", {})
     for task in tasks:
         for length in lengths:
@@ -170,8 +173,10 @@ def _against_rag(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], len
             mine = [model[k] for k in keys]
             theirs = [r for k, r in rag.items() if k[0] == task and k[1] == length]
             recalled = _mean([r["answers_in_recalled"] for r in mine if r.get("answers_in_recalled") is not None])
+            read = [r["answers_in_read"] for r in mine if r.get("answers_in_read") is not None]
+            read_cell = f"{_mean(read):.2f} ({len(read)})" if read else "-"
             lines.append(f"| {task} | {length:,} | {_mean([r['score'] for r in mine]):.2f} ({len(mine)}) | "
-                         f"{recalled:.2f} | {_mean([r['score'] for r in theirs]):.2f} ({len(theirs)}) | "
+                         f"{recalled:.2f} | {read_cell} | {_mean([r['score'] for r in theirs]):.2f} ({len(theirs)}) | "
                          f"{_paired(model, rag, keys)} |")
     return lines
 

@@ -81,8 +81,9 @@ def main() -> None:
     lines += ["", "## The model's choice against fixed thetas, out of fold", "",
               "Per sample: the answer under the default theta, under the best fixed theta of the other folds, and "
               "under the choice of the other folds' model among the design, made as a session makes it: `model` "
-              "within the best fixed theta's context, `model_as_shipped` without a limit (how it answers by "
-              "default). Against default: the mean paired difference from the default "
+              "within the best fixed theta's context, `model_as_shipped` as the config answers by default "
+              f"(`allocation.default_limit` = {report.config['allocation']['default_limit']!r}: 'best_fixed' is the "
+              "same limit, 'none' no limit). Against default: the mean paired difference from the default "
               "theta's answer to the same sample (95% interval: 10,000 bootstrap resamples of the samples), and "
               "the samples answered better / worse (the two-sided sign test's p).", "",
               "| theta | mean score (n; 95% interval) | mean context tokens | against default |",

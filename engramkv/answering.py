@@ -132,27 +132,40 @@ class Answerer:
         token = int(with_one.argmax())
         return float(with_one[token] - without[token])
 
-    def cost_of(self, theta: Theta, fixed_tokens: int, local_tokens: int) -> int:
+    def cost_of(self, theta: Theta, fixed_tokens: int, local_tokens: int, piece: bool = False) -> int:
         """Effective context tokens of an answer under `theta` (`allocation.cost`): `fixed_tokens` are the
-        sinks and the turn, `local_tokens` the local text before the turn."""
+        sinks and the turn, `local_tokens` the local text before the turn. `piece`: the answer reads no
+        memory and, of the window, its best piece widened to k * s * n tokens (`window_piece_plan`)."""
         demo = len(self.demonstration_ids[theta.m]) / max(theta.m, 1)
+        if piece:
+            window = min(theta.k * theta.s * theta.n, self.cfg.recall.budget_tokens, local_tokens)
+            return fixed_tokens + window + theta.m * round(demo)
         if theta.w >= min(self.cfg.window.n_local, local_tokens):  # the whole window, however long it is now
             theta = dataclasses.replace(theta, w=local_tokens)
         return allocation.cost(theta, fixed_tokens, round(demo), window_cap=local_tokens,
                                memory_cap=self.cfg.recall.budget_tokens)
 
-    def memory_budget(self, theta: Theta, limit: int | None, fixed_tokens: int, local_tokens: int) -> int:
-        """Memory tokens an answer under `theta` may read over all its rounds: k * s * n (the default theta:
-        `answer_budget`), at most the reading budget, and no more than `limit` leaves after the rest."""
+    def memory_budget(self, theta: Theta, limit: int | None, fixed_tokens: int, local_tokens: int,
+                      piece: bool = False) -> int:
+        """Memory tokens an answer under `theta` may read over all its rounds (with `piece`, of the window's
+        best piece): k * s * n (the default theta: `answer_budget`), at most the reading budget, and no more
+        than `limit` leaves after the rest."""
         recall = self.cfg.recall
         if theta == self.default_theta():
             budget = question.answer_budget(recall)
         else:
             budget = min(theta.k * theta.s * theta.n, recall.budget_tokens)
         if limit is not None:
-            rest = self.cost_of(dataclasses.replace(theta, k=0), fixed_tokens, local_tokens)
+            rest = self.cost_of(dataclasses.replace(theta, k=0), fixed_tokens, local_tokens, piece)
             budget = min(budget, max(0, limit - rest))
         return budget
+
+    def default_limit(self, fixed_tokens: int, local_tokens: int) -> int | None:
+        """The model's limit where the caller gives none (`allocation.default_limit`): what the calibration's
+        best single theta would read for this question (it reads the window as calibrated: no piece)."""
+        if self.model is None or self.model.best_fixed is None or self.cfg.allocation.default_limit == "none":
+            return None
+        return self.cost_of(Theta(*self.model.best_fixed), fixed_tokens, local_tokens)
 
     def choose(self, assessment: Assessment | None, limit: int | None, fixed_tokens: int,
                local_tokens: int) -> Theta:
@@ -163,13 +176,21 @@ class Answerer:
         fixed default."""
         if self.model is None or assessment is None:
             return self.default_theta()
+        piece = self.reads_piece(assessment)
         candidates = allocation.whole_window(self.grid, question.window_answers(assessment.matched, self.cfg.recall),
                                              min(self.cfg.window.n_local, local_tokens))
+        if limit is None:
+            limit = self.default_limit(fixed_tokens, local_tokens)
         chosen = allocation.choose(self.model, candidates, assessment.features,
                                    limit if limit is not None else math.inf,
-                                   lambda t: self.cost_of(t, fixed_tokens, local_tokens),
+                                   lambda t: self.cost_of(t, fixed_tokens, local_tokens, piece),
                                    self.cfg.allocation.tolerance)
         return chosen or min(self.grid, key=lambda t: (self.cost_of(t, fixed_tokens, local_tokens), t))
+
+    def reads_piece(self, assessment: Assessment) -> bool:
+        """Whether a chosen theta reads the window's best piece and no memory (`window_piece_plan`)."""
+        return (self.model is not None and assessment.window_piece is not None
+                and question.window_answers(assessment.matched, self.cfg.recall))
 
     def recall(self, ids: list[int], k: int) -> list[tuple[int, float]]:
         """The `k` best (event id, score) for a query's token ids (`Session.recall`)."""
@@ -201,9 +222,9 @@ class Answerer:
         chosen, theta = theta is None or allocated, theta or self.choose(assessment, limit, fixed, local)
         if theta.m:
             reader.flush(plan, token_ids=self.demonstration_ids[theta.m])
-        budget = self.memory_budget(theta, limit, fixed, local)
-        if chosen and self.model is not None and question.window_answers(assessment.matched, self.cfg.recall) \
-                and assessment.window_piece is not None:
+        piece = chosen and self.reads_piece(assessment)
+        budget = self.memory_budget(theta, limit, fixed, local, piece)
+        if piece:
             plan = self.window_piece_plan(assessment, theta, turn_start, budget)
         else:
             plan = self.plan(assessment, theta, prompt_ids, span, turn_start, budget)

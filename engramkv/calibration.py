@@ -143,6 +143,51 @@ def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
     return added
 
 
+def refeature(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
+              progress: Callable[[str], None]) -> int:
+    """Measure the features again for the samples of `observations` whose features are not those of
+    `allocation.FEATURES` (a feature was added): each document is ingested again and its question assessed
+    as its answers were (one token generated), and every row of the sample gets the new features; the
+    replies and scores stay, since the features never change what a given theta reads. The file is
+    rewritten after each sample, so a run resumes where it stopped. Returns the samples measured."""
+    rows = _rows(observations)
+    stale = sorted({row["sample"] for row in rows if len(row["features"]) != len(allocation.FEATURES)})
+    by_key = {_key(sample): sample for sample in samples(_all_tasks(cfg, rows), lm.tokenizer)}
+    missing = [key for key in stale if key not in by_key]
+    if missing:
+        raise InputError(f"{observations}: samples {missing[:3]} are not in the calibration's tasks, lengths "
+                         "and samples (--tasks, --lengths, --samples)")
+    answer_cfg, default = cfg.with_allocation_mode("fixed"), Answerer.default_for(cfg)
+    for done, key in enumerate(stale, 1):
+        sample, store = by_key[key], work_dir / key
+        shutil.rmtree(store, ignore_errors=True)
+        with lm.session(answer_cfg, store=store) as session:
+            for piece in sample.context:
+                session.ingest(piece)
+            session.chat(sample.question, max_new_tokens=1, theta=default)
+            features = list(session.last_plan.features)
+        lm.close()
+        shutil.rmtree(store, ignore_errors=True)
+        old = next(row["features"] for row in rows if row["sample"] == key)
+        for row in rows:
+            if row["sample"] == key:
+                row["features"] = features
+        partial = observations.with_suffix(".partial")
+        partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        partial.replace(observations)
+        progress(f"{key} ({done}/{len(stale)}): features {[round(f, 3) for f in old]} -> "
+                 f"{[round(f, 3) for f in features]}")
+    return len(stale)
+
+
+def _all_tasks(cfg: EngineConfig, rows: list[dict[str, Any]]) -> EngineConfig:
+    """`cfg` with the tasks, lengths and sample count the observations were made with."""
+    seeds = max(row["seed"] for row in rows) - CALIBRATION_SEEDS + 1
+    update = {"tasks": sorted({row["task"] for row in rows}), "lengths": sorted({row["length"] for row in rows}),
+              "samples": max(seeds, cfg.calibration.samples)}
+    return cfg.model_copy(update={"calibration": cfg.calibration.model_copy(update=update)})
+
+
 def _columns(part: list[dict[str, Any]]) -> tuple[list[Theta], list[torch.Tensor], list[float]]:
     return ([Theta(**row["theta"]) for row in part], [torch.tensor(row["features"], dtype=torch.float64)
                                                       for row in part], [float(row["score"]) for row in part])
@@ -203,7 +248,8 @@ def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> Ca
         fits[name] = FitReport(r2=per_answer[0], mse=per_answer[1], r2_cells=per_cell[0], mse_cells=per_cell[1],
                                ridge=everything[name].ridge)
     design_thetas = [list(t) for t in sorted({tuple(row["theta"].values()) for row in rows})]
-    model = everything["model"].model_copy(update={"thetas": design_thetas})
+    model = everything["model"].model_copy(update={"thetas": design_thetas,
+                                                   "best_fixed": list(asdict(_best_fixed(rows)).values())})
     return CalibrationReport(
         model_id=model_id, model=model, observations=len(rows), held_out=len(rows), fits=fits,
         design=[json.loads(t) for t in sorted({json.dumps(row["theta"]) for row in rows})],
@@ -247,7 +293,7 @@ def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default
     where the window matches better than memory, scored as measured: the observations read that window
     whole, where a chosen answer reads its best piece, `Answerer.window_piece_plan`): within the best
     fixed theta's context (no more tokens; without the window rule where no whole-window theta fits), and
-    without a limit (`recall.answer_context_tokens` is unset by default: how the shipped model answers)."""
+    as shipped (`allocation.default_limit`: the same limit, or none)."""
     by_sample: dict[str, dict[Theta, dict[str, Any]]] = {}
     for row in test:
         by_sample.setdefault(row["sample"], {})[Theta(**row["theta"])] = row
@@ -259,7 +305,9 @@ def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default
         # The window-versus-memory margin feature is what `question.window_answers` compares.
         window_answers = float(features[allocation.FEATURES.index("window_margin")]) > cfg.recall.window_margin
         allowed = allocation.whole_window(list(answers), window_answers, max(t.w for t in answers))
-        for name, limit in (("model", answers[best_fixed]["context_tokens"]), ("model_as_shipped", math.inf)):
+        within = answers[best_fixed]["context_tokens"]
+        shipped = within if cfg.allocation.default_limit == "best_fixed" else math.inf
+        for name, limit in (("model", within), ("model_as_shipped", shipped)):
             pool = [t for t in allowed if answers[t]["context_tokens"] <= limit] or list(answers)
             choice = allocation.choose(model, pool, features, limit, lambda t: answers[t]["context_tokens"],
                                        cfg.allocation.tolerance)
@@ -270,15 +318,19 @@ def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default
 
 
 def calibrate(lm: EpisodicLM | None, cfg: EngineConfig, out: Path, work_dir: Path, fit_only: bool = False,
-              model_id: str | None = None, progress: Callable[[str], None] | None = None) -> CalibrationReport:
+              model_id: str | None = None, progress: Callable[[str], None] | None = None,
+              refeature_only: bool = False) -> CalibrationReport:
     """Run what is missing of the calibration on `lm` (unless `fit_only`: then `lm` may be None and `model_id`
     names the model, by default the embedded one), fit, and write the report to `out` (JSON; what
-    `allocation.coefficients` reads). The observations live in `work_dir/observations.jsonl`."""
+    `allocation.coefficients` reads). `refeature_only`: instead of answering, measure again the features of
+    observations made before a feature was added (`refeature`). The observations live in
+    `work_dir/observations.jsonl`."""
     observations = work_dir / "observations.jsonl"
     if not fit_only:
         if lm is None:
             raise InputError("calibrate needs a model unless fit_only")
-        run(lm, cfg, work_dir, observations, progress or (lambda line: None))
+        step = refeature if refeature_only else run
+        step(lm, cfg, work_dir, observations, progress or (lambda line: None))
     model_id = model_id or (lm.spec.model_id if lm is not None else DEFAULT_MODEL_ID)
     report = fit_observations(cfg, model_id, observations)
     out.parent.mkdir(parents=True, exist_ok=True)

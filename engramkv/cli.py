@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engramkv import ConfigError, EngramError, GenerationConfig, IngestProgress
+from engramkv import ConfigError, EngramError, GenerationConfig, IngestProgress, InputError
 
 DEFAULT_STORE = "~/.engramkv/store"
 
@@ -158,9 +158,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                if getattr(args, name) is not None}
     cfg = base.model_copy(update={"calibration": base.calibration.model_copy(update=updates)})
     cfg = EngineConfig.model_validate(cfg.model_dump())  # validate the values given on the command line
+    if args.fit_only and args.refeature:
+        raise InputError("--refeature measures features with the model; it cannot be combined with --fit-only")
     lm = None if args.fit_only else _model(args)  # a fit alone needs no model, only its id
     report = calibrate(lm, cfg, Path(args.out), Path(args.work_dir), fit_only=args.fit_only,
-                       model_id=args.model_id, progress=None if args.json else _progress_line)
+                       model_id=args.model_id, progress=None if args.json else _progress_line,
+                       refeature_only=args.refeature)
     if args.json:
         print(report.model_dump_json())
         return 0
@@ -335,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=None, help="samples per task and length")
     p.add_argument("--design-size", type=int, default=None, help="thetas every sample is answered under")
     p.add_argument("--fit-only", action="store_true", help="fit the observations already written; run nothing")
+    p.add_argument("--refeature", action="store_true",
+                   help="answer nothing: measure again the features of observations written before a feature "
+                   "was added (each document ingested again), then fit")
     p.add_argument("--model-id", default=None, help="with --fit-only: the model the observations are of "
                    "(default: the embedded model's id)")
     p.add_argument("--model", default=None, help="hub id or local path of the model to calibrate (default: embedded)")

@@ -209,6 +209,13 @@ class AllocationConfig(_Strict):
         default=0.02, gt=0, lt=0.5,
         description="The fit starts from the logit of the mean score clipped to [clip, 1 - clip].",
     )
+    default_limit: Literal["none", "best_fixed"] = Field(
+        default="best_fixed",
+        description="The model's limit on an answer's effective context where none is given (per call or "
+        "recall.answer_context_tokens): 'best_fixed', what the calibration's best single theta would read for "
+        "that question (so the model reads no more than it, and the thetas that read the window's best piece are "
+        "costed at that piece); 'none': no limit.",
+    )
     tolerance: float = Field(
         default=0.1, ge=0, le=1,
         description="The model answers with the cheapest theta predicted to score within this much of the best "

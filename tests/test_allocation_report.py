@@ -13,9 +13,9 @@ import allocation_report  # noqa: E402
 from evalkit.stats import paired_bootstrap, sign_test  # noqa: E402
 
 
-def _run(task, system, seed, score, length=4096, recalled=None, context=300):
+def _run(task, system, seed, score, length=4096, recalled=None, context=300, read=None):
     return {"task": task, "system": system, "length": length, "seed": seed, "score": score, "commit": "a" * 40,
-            "answers_in_recalled": recalled, "answer_context_tokens": context}
+            "answers_in_recalled": recalled, "answer_context_tokens": context, "answers_in_read": read}
 
 
 def _write(directory, name, runs):
@@ -24,7 +24,7 @@ def _write(directory, name, runs):
 
 
 def test_the_report_merges_files_and_checks_the_targets(tmp_path):
-    one = [_run("passkey", "engram-alloc", s, 1.0, recalled=1.0) for s in range(20)]
+    one = [_run("passkey", "engram-alloc", s, 1.0, recalled=1.0, read=1.0 if s < 5 else None) for s in range(20)]
     one += [_run("passkey", "engram-alloc-chat", s, 1.0 if s < 16 else 0.0) for s in range(20)]  # 0.8 of it
     one += [_run("passkey", "engram-best", s, 1.0 if s < 10 else 0.0, context=280) for s in range(20)]
     two = [_run("passkey", "rag", s, 1.0 if s % 2 else 0.0) for s in range(20)]
@@ -38,7 +38,8 @@ def test_the_report_merges_files_and_checks_the_targets(tmp_path):
     assert "0.00 (3*; " in md
     lo, hi = paired_bootstrap([1.0] * 20, [1.0 if s < 10 else 0.0 for s in range(20)])
     assert f"+0.500 ({lo:+.3f} to {hi:+.3f}; n 20); 10 / 0 (p {sign_test(10, 0):.3f})" in md  # against best
-    assert "| passkey | 4,096 | 1.00 (20) | 1.00 | 0.50 (20) |" in md  # against RAG, recall split
+    assert "| passkey | 4,096 | 1.00 (20) | 1.00 | 1.00 (5) | 0.50 (20) |" in md  # against RAG, recall split
+    assert "| kv | 4,096 | 0.00 (3) | 0.00 | - |" in md  # runs that did not record what they read
     payload = json.loads((tmp_path / "out.json").read_text())
     assert payload["summary"]["engram-alloc|passkey|4096"] == {"mean": 1.0, "n": 20}
     assert set(payload["sources"]) == {"a", "b"} and payload["commit"]

@@ -104,9 +104,9 @@ def test_a_theta_outside_its_ranges_is_an_input_error():
         session.chat("1 2", theta=Theta(1, 8, 1, len(DEMONSTRATIONS) + 1, 0))
 
 
-def _coefficients(tmp_path, model_id="tiny-llama", a=None):
+def _coefficients(tmp_path, model_id="tiny-llama", a=None, best_fixed=None):
     model = AllocationModel(a=a or [0.5, 0.2, 0.0, 0.0, -0.1], b=[[0.0] * len(FEATURES) for _ in PARAMETERS],
-                            c=-1.0, eps=0.01)
+                            c=-1.0, eps=0.01, best_fixed=best_fixed)
     path = tmp_path / "coefficients.json"
     path.write_text(json.dumps({"model_id": model_id, "model": model.model_dump()}))
     return path
@@ -123,6 +123,29 @@ def test_the_model_mode_chooses_theta_within_the_limit(tmp_path):
     # more events and tokens per event help under these coefficients: with room, it takes more
     session.chat("1 2 3", budget_tokens=5000, max_new_tokens=2)
     assert session.last_plan.theta.k * session.last_plan.theta.s >= plan.theta.k * plan.theta.s
+
+
+def test_by_default_the_model_reads_no_more_than_the_best_fixed_theta_would(tmp_path):
+    # Coefficients under which more of everything helps: only the limit holds the choice back.
+    path = _coefficients(tmp_path, a=[0.5, 0.5, 0.3, 0.0, 0.2], best_fixed=[1, 16, 1, 0, 0])
+    limited = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(
+        update={"mode": "model", "coefficients": str(path)})})
+    assert limited.allocation.default_limit == "best_fixed"
+    _, session = _session(limited)
+    answerer = session._answerer
+    session.chat("1 2 3", max_new_tokens=2)
+    plan = session.last_plan
+    fixed = plan.context_tokens - plan.theta.k * plan.theta.s * plan.theta.n  # w = 0 here: sinks and the turn
+    assert plan.theta.w == 0 and plan.context_tokens <= fixed + 16
+    unlimited = limited.model_copy(update={"allocation": limited.allocation.model_copy(
+        update={"default_limit": "none"})})
+    _, session = _session(unlimited)
+    session.chat("1 2 3", max_new_tokens=2)
+    assert session.last_plan.context_tokens > plan.context_tokens  # without it, the dearest theta
+    # A theta that reads the window's best piece costs that piece, not the window it would read whole.
+    theta = Theta(1, 16, 1, 0, 64)
+    assert answerer.cost_of(theta, 40, 64, piece=True) == 40 + 16
+    assert answerer.cost_of(theta, 40, 64) == 40 + 64 + 16
 
 
 def test_ask_many_spends_at_most_its_total(tmp_path):

@@ -9,8 +9,9 @@ import torch
 
 from engramkv import EngineConfig, InputError, Theta, calibrate
 from engramkv.answering import allocation_model
-from engramkv.calibration import design, fit_observations, run
+from engramkv.calibration import design, fit_observations, refeature, run
 from engramkv.config import AllocationConfig, CalibrationConfig, RecallConfig, SegmentationConfig, WindowConfig
+from engramkv.retrieval import allocation
 from engramkv.retrieval.allocation import AllocationModel
 from engramkv.tasks import CALIBRATION_SEEDS, cut_repeats
 
@@ -42,7 +43,7 @@ def test_every_sample_is_answered_under_the_design_once_and_a_rerun_resumes(tmp_
     assert {row["seed"] for row in rows} == {CALIBRATION_SEEDS, CALIBRATION_SEEDS + 1}  # not the evaluation's
     assert {tuple(row["theta"].values()) for row in rows} == {tuple(t.__dict__.values()) for t in design(
         CFG, Theta(2, 24, 1, 0, 64))}
-    assert all(len(row["features"]) == 5 and 0 <= row["score"] <= 1 for row in rows)
+    assert all(len(row["features"]) == len(allocation.FEATURES) and 0 <= row["score"] <= 1 for row in rows)
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # each sample's store is gone once answered
     # the same theta twice from the read-only store: the same reply (no answer sees another)
     first = {(r["sample"], json.dumps(r["theta"])): r["reply"] for r in rows}
@@ -53,6 +54,23 @@ def test_every_sample_is_answered_under_the_design_once_and_a_rerun_resumes(tmp_
     last = again[-1]
     assert first[(last["sample"], json.dumps(last["theta"]))] == last["reply"]
     assert run(lm, CFG, tmp_path, observations, lambda line: None) == 0
+
+
+def test_refeature_measures_again_the_features_of_older_observations_and_keeps_their_answers(tmp_path):
+    _, lm = tiny_pair("llama", CFG)
+    lm.tokenizer = ModTokenizer()
+    observations = tmp_path / "observations.jsonl"
+    run(lm, CFG, tmp_path, observations, lambda line: None)
+    rows = [json.loads(line) for line in observations.read_text().splitlines()]
+    older = [{**row, "features": row["features"][:-1]} for row in rows]  # written before the last feature
+    older[0]["features"] = [0.0] * (len(allocation.FEATURES) - 1)
+    observations.write_text("".join(json.dumps(row) + "\n" for row in older))
+    assert refeature(lm, CFG, tmp_path, observations, lambda line: None) == 4  # every sample, once
+    again = [json.loads(line) for line in observations.read_text().splitlines()]
+    assert [r["features"] for r in again] == [r["features"] for r in rows]  # measured as the answers were
+    assert [(r["reply"], r["score"], r["theta"]) for r in again] == [(r["reply"], r["score"], r["theta"]) for r in rows]
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # the stores made for it are gone
+    assert refeature(lm, CFG, tmp_path, observations, lambda line: None) == 0
 
 
 def _synthetic_observations(path, truth, n_samples=40):
@@ -72,7 +90,7 @@ def _synthetic_observations(path, truth, n_samples=40):
 def test_the_fit_reports_held_out_quality_and_writes_loadable_coefficients(tmp_path):
     g = torch.Generator().manual_seed(0)
     truth = AllocationModel(a=(torch.randn(5, generator=g) * 0.3).tolist(),
-                            b=(torch.randn(5, 5, generator=g) * 0.05).tolist(), c=-0.3, eps=0.01)
+                            b=(torch.randn(5, len(allocation.FEATURES), generator=g) * 0.05).tolist(), c=-0.3, eps=0.01)
     _synthetic_observations(tmp_path / "observations.jsonl", truth)
     exact = EngineConfig(allocation=AllocationConfig(score_clip=1e-6, ridge=[0.0]))  # nothing shrinks the fit
     report = calibrate(None, exact, tmp_path / "coefficients.json", tmp_path, fit_only=True,

@@ -8,16 +8,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import _common  # noqa: E402
 import passkey as passkey_preset  # noqa: E402
+from conftest import VOCAB, tiny_pair  # noqa: E402
 from evalkit.systems import DEFAULT_SYSTEMS as SYSTEMS  # noqa: E402
-from evalkit.systems import OPTIONAL_SYSTEMS, system_config  # noqa: E402
-from engramkv.tasks import TASKS  # noqa: E402
+from evalkit.systems import OPTIONAL_SYSTEMS, _read_texts, _resident_text, system_config  # noqa: E402
 
 from engramkv import EngineConfig  # noqa: E402
+from engramkv.config import SegmentationConfig, WindowConfig  # noqa: E402
+from engramkv.retrieval.question import RecallPlan  # noqa: E402
+from engramkv.tasks import TASKS  # noqa: E402
 
 
 class CharTokenizer:
@@ -110,6 +114,33 @@ def test_every_task_makes_a_sample_of_about_its_length_with_its_answers_in_it(de
             assert other.answers != sample.answers, name
 
 
+def test_what_an_answer_read_is_its_sinks_the_window_it_attended_and_the_memory_it_read():
+    cfg = EngineConfig(window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
+                       segmentation=SegmentationConfig(min_event=4, max_event=24))
+    _, lm = tiny_pair("llama", cfg)
+    session = lm.session()
+    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    session.ingest_ids(ids)
+    models = type("Models", (), {"tokenizer": lm.tokenizer})
+    before = _resident_text(models, session)
+    stream = session.state.stream
+    assert before[0].split() == list(map(str, ids[:8])) and before[2] == stream.local_start
+    local = ids[stream.local_start :]
+    event = len(session.memory) // 2
+    whole = _read_texts(models, session, before, RecallPlan((event,), 64), [])
+    assert whole[1].split() == list(map(str, local))
+    assert whole[2].split() == list(map(str, session.memory.tokens(event)))
+    start = stream.local_start
+    piece = RecallPlan((), 64, window_from=start + 10, window_gap=(start + 20, start + 30))
+    _, window, memory = _read_texts(models, session, before, piece, [event])
+    assert window.split() == [str(t) for t in local[10:20] + local[30:]] and memory == ""
+    parts = RecallPlan((event,), 64, event_tokens=((1, 3),))
+    assert _read_texts(models, session, before, parts, [])[2].split() == list(
+        map(str, session.memory.tokens(event)[1:3]))
+    by_layers = _read_texts(models, session, before, RecallPlan(None, 64), [event])  # the layers' own recall
+    assert by_layers[2] == whole[2]
+
+
 @pytest.mark.slow
 def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
     subprocess.run([sys.executable, "evaluate.py", "--quick", "--out", str(tmp_path), "--name", "quick"],
@@ -126,6 +157,8 @@ def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
         assert any(r["reply"].strip() for r in runs if r["system"] == system), system
     passkey = {r["system"]: r["score"] for r in runs if r["task"] == "passkey"}
     assert passkey["engram"] == 1.0 and passkey["full"] == 1.0  # 2k tokens: both must find it
+    read = {r["system"]: r["answers_in_read"] for r in runs if r["task"] == "passkey"}
+    assert read["engram"] == 1.0 and read["full"] is None  # what engramkv's answer read held the key
     table = (tmp_path / "quick.md").read_text()
     assert all(f"| {system} |" in table for system in SYSTEMS)
     assert (tmp_path / "quick.png").stat().st_size > 10_000

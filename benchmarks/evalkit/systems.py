@@ -79,6 +79,10 @@ class Run:
     # answers their text holds, which tells a recall miss from a reading miss; None for the others
     recalled: list[str] | None = None
     answers_in_recalled: float | None = None
+    # engramkv: the share of the expected answers in all the answer read besides its turn (sinks, the part
+    # of the local window attended, the memory read): low where recall or the window rule missed, high
+    # where the answer had the text and misread it
+    answers_in_read: float | None = None
     theta: dict[str, int] | None = None  # engramkv: the inference parameters the answer took
     answer_context_tokens: int | None = None  # engramkv: the effective context the answer attended to
 
@@ -304,6 +308,7 @@ def _question_time_run(models: Models, sample: Sample, config: EngineConfig, cha
 def _engram_answer(models: Models, sample: Sample, session: Any, ingest: float, rss: RssSampler,
                    chat_path: bool = False, theta: Theta | None = None) -> Run:
     """Ask the sample's question in `session` (which has read its context) and close the session."""
+    before = _resident_text(models, session)  # the stream as the question finds it
     t0 = time.perf_counter()
     if chat_path:
         stream = session.chat(sample.question, stream=True, max_new_tokens=MAX_NEW_TOKENS, theta=theta)
@@ -330,11 +335,37 @@ def _engram_answer(models: Models, sample: Sample, session: Any, ingest: float, 
                                       for t in session.memory.tokens(e)]) for r in recalled]
     found = sum(any(a in text for text in spans) for a in sample.answers) / len(sample.answers)
     plan = session.last_plan
+    texts = _read_texts(models, session, before, plan, [r.event_id for r in recalled])
+    read = sum(any(a in text for text in texts) for a in sample.answers) / len(sample.answers)
     session.close()
     return Run(_cut_reply(reply), tokens, ingest, first, decode, rss.peak, rss.start,
                [f"#{r.event_id} {r.score:+.3f} {r.text[:100]!r}" for r in recalled], found,
                None if plan is None or plan.theta is None else dataclasses.asdict(plan.theta),
-               None if plan is None else plan.context_tokens)
+               None if plan is None else plan.context_tokens, read)
+
+
+def _resident_text(models: Models, session: Any) -> tuple[str, list[int], int]:
+    """(the sinks' text, the local window's token ids, the stream index of the first of them)."""
+    stream = session.state.stream
+    return (models.tokenizer.decode(stream.sink_tokens.tolist()), stream.tail_tokens.tolist(), stream.local_start)
+
+
+def _read_texts(models: Models, session: Any, before: tuple[str, list[int], int], plan: Any,
+                recalled: list[int]) -> list[str]:
+    """The texts an answer attended to besides its turn: the sinks, the local window from the plan's
+    window_from without its gap, and the memory it read (the plan's events, or their parts; the layers'
+    own recall, where the plan names none, as `recalled`)."""
+    sinks, local, start = before
+    window_from = start if plan is None or plan.window_from is None else plan.window_from
+    gap = (0, 0) if plan is None or plan.window_gap is None else plan.window_gap
+    window = [t for i, t in enumerate(local, start) if i >= window_from and not gap[0] <= i < gap[1]]
+    events = recalled if plan is None or plan.events is None else list(plan.events)
+    parts = None if plan is None or plan.events is None else plan.event_tokens
+    memory = []
+    for i, event_id in enumerate(events):
+        ids = session.memory.tokens(event_id)
+        memory += list(ids) if parts is None else list(ids)[parts[i][0] : parts[i][1]]
+    return [sinks, models.tokenizer.decode(window), models.tokenizer.decode(memory)]
 
 
 # The engramkv systems other than engram-alloc answer with the fixed default theta whatever the package's

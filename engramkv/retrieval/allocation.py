@@ -98,6 +98,7 @@ class AllocationModel(BaseModel):
     low: list[float] | None = None
     high: list[float] | None = None
     ridge: float | None = None  # the ridge term the fit kept (a record)
+    best_fixed: list[int] | None = None  # the calibration's best single theta (`allocation.default_limit`)
 
     def candidates(self, grid: Sequence[Theta]) -> list[Theta]:
         return [Theta(*t) for t in self.thetas] if self.thetas else list(grid)
