@@ -16,9 +16,16 @@ import _common  # noqa: E402
 import passkey as passkey_preset  # noqa: E402
 from conftest import VOCAB, tiny_pair  # noqa: E402
 from evalkit.systems import DEFAULT_SYSTEMS as SYSTEMS  # noqa: E402
-from evalkit.systems import OPTIONAL_SYSTEMS, _read_texts, _resident_text, system_config  # noqa: E402
+from evalkit.systems import (  # noqa: E402
+    OPTIONAL_SYSTEMS,
+    RssSampler,
+    _engram_answer,
+    _read_texts,
+    _resident_text,
+    system_config,
+)
 
-from engramkv import EngineConfig  # noqa: E402
+from engramkv import EngineConfig, Theta  # noqa: E402
 from engramkv.config import SegmentationConfig, WindowConfig  # noqa: E402
 from engramkv.retrieval.question import RecallPlan  # noqa: E402
 from engramkv.tasks import TASKS  # noqa: E402
@@ -139,6 +146,22 @@ def test_what_an_answer_read_is_its_sinks_the_window_it_attended_and_the_memory_
         map(str, session.memory.tokens(event)[1:3]))
     by_layers = _read_texts(models, session, before, RecallPlan(None, 64), [event])  # the layers' own recall
     assert by_layers[2] == whole[2]
+
+
+def test_an_engramkv_run_records_its_theta_context_and_what_it_read_each_in_its_field():
+    cfg = EngineConfig(window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
+                       segmentation=SegmentationConfig(min_event=4, max_event=24))
+    _, lm = tiny_pair("llama", cfg)
+    session = lm.session()
+    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    session.ingest_ids(ids)
+    models = type("Models", (), {"tokenizer": lm.tokenizer})
+    sample = type("Sample", (), {"question": "1 2 3", "prompt": "1 2 3", "answers": [str(ids[-1])]})
+    with RssSampler() as rss:
+        run = _engram_answer(models, sample, session, 0.0, rss, theta=Theta(1, 16, 1, 0, 64))
+    assert run.theta == {"k": 1, "s": 16, "n": 1, "m": 0, "w": 64}
+    assert isinstance(run.answer_context_tokens, int) and run.answer_context_tokens > 0
+    assert run.answers_in_read == 1.0  # the last token read is in the whole window the theta attends to
 
 
 @pytest.mark.slow

@@ -79,12 +79,12 @@ class Run:
     # answers their text holds, which tells a recall miss from a reading miss; None for the others
     recalled: list[str] | None = None
     answers_in_recalled: float | None = None
+    theta: dict[str, int] | None = None  # engramkv: the inference parameters the answer took
+    answer_context_tokens: int | None = None  # engramkv: the effective context the answer attended to
     # engramkv: the share of the expected answers in all the answer read besides its turn (sinks, the part
     # of the local window attended, the memory read): low where recall or the window rule missed, high
     # where the answer had the text and misread it
     answers_in_read: float | None = None
-    theta: dict[str, int] | None = None  # engramkv: the inference parameters the answer took
-    answer_context_tokens: int | None = None  # engramkv: the effective context the answer attended to
 
 
 class RssSampler:
@@ -339,9 +339,10 @@ def _engram_answer(models: Models, sample: Sample, session: Any, ingest: float, 
     read = sum(any(a in text for text in texts) for a in sample.answers) / len(sample.answers)
     session.close()
     return Run(_cut_reply(reply), tokens, ingest, first, decode, rss.peak, rss.start,
-               [f"#{r.event_id} {r.score:+.3f} {r.text[:100]!r}" for r in recalled], found,
-               None if plan is None or plan.theta is None else dataclasses.asdict(plan.theta),
-               None if plan is None else plan.context_tokens, read)
+               recalled=[f"#{r.event_id} {r.score:+.3f} {r.text[:100]!r}" for r in recalled],
+               answers_in_recalled=found,
+               theta=None if plan is None or plan.theta is None else dataclasses.asdict(plan.theta),
+               answer_context_tokens=None if plan is None else plan.context_tokens, answers_in_read=read)
 
 
 def _resident_text(models: Models, session: Any) -> tuple[str, list[int], int]:
