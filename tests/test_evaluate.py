@@ -121,14 +121,19 @@ def test_every_task_makes_a_sample_of_about_its_length_with_its_answers_in_it(de
             assert other.answers != sample.answers, name
 
 
-def test_what_an_answer_read_is_its_sinks_the_window_it_attended_and_the_memory_it_read():
+def _tiny_session(seed):
+    """(a tiny-model session that has read 300 random tokens, those tokens, a Models stand-in)."""
     cfg = EngineConfig(window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
                        segmentation=SegmentationConfig(min_event=4, max_event=24))
     _, lm = tiny_pair("llama", cfg)
     session = lm.session()
-    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(seed)).tolist()
     session.ingest_ids(ids)
-    models = type("Models", (), {"tokenizer": lm.tokenizer})
+    return session, ids, type("Models", (), {"tokenizer": lm.tokenizer})
+
+
+def test_what_an_answer_read_is_its_sinks_the_window_it_attended_and_the_memory_it_read():
+    session, ids, models = _tiny_session(seed=0)
     before = _resident_text(models, session)
     stream = session.state.stream
     assert before[0].split() == list(map(str, ids[:8])) and before[2] == stream.local_start
@@ -149,13 +154,7 @@ def test_what_an_answer_read_is_its_sinks_the_window_it_attended_and_the_memory_
 
 
 def test_an_engramkv_run_records_its_theta_context_and_what_it_read_each_in_its_field():
-    cfg = EngineConfig(window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
-                       segmentation=SegmentationConfig(min_event=4, max_event=24))
-    _, lm = tiny_pair("llama", cfg)
-    session = lm.session()
-    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(1)).tolist()
-    session.ingest_ids(ids)
-    models = type("Models", (), {"tokenizer": lm.tokenizer})
+    session, ids, models = _tiny_session(seed=1)
     sample = type("Sample", (), {"question": "1 2 3", "prompt": "1 2 3", "answers": [str(ids[-1])]})
     with RssSampler() as rss:
         run = _engram_answer(models, sample, session, 0.0, rss, theta=Theta(1, 16, 1, 0, 64))
