@@ -119,21 +119,14 @@ def write_results(directory: Path, name: str, payload: dict[str, Any], table: st
 
 
 def natural_text(n_chars: int) -> str:
-    """Deterministic varied English-ish text from the standard library's own docstrings (no download)."""
-    import importlib
-    import inspect
+    """Deterministic varied English-ish text: the standard library's docstrings (`engramkv.lowrank_fit`), no download."""
+    from engramkv.lowrank_fit import stdlib_docstrings
 
-    modules = ["argparse", "collections", "email", "json", "logging", "pathlib", "subprocess", "typing",
-               "unittest", "urllib.parse", "zipfile", "asyncio", "http.client", "textwrap", "decimal"]
+    pieces = [doc for doc in stdlib_docstrings() if len(doc) > 200]
     parts: list[str] = []
     size = 0
     while size < n_chars:
-        for name in modules:
-            module = importlib.import_module(name)
-            for _, obj in inspect.getmembers(module):
-                doc = inspect.getdoc(obj)
-                if doc and len(doc) > 200:
-                    parts.append(doc)
-                    size += len(doc)
-        modules = modules[::-1]  # on a second pass the order differs
+        parts.extend(pieces)
+        size += sum(map(len, pieces))
+        pieces = pieces[::-1]  # on a second pass the order differs
     return "\n\n".join(parts)[:n_chars]

@@ -15,6 +15,7 @@ from engramkv.config import (
     EngineConfig,
     GenerationConfig,
     IndexConfig,
+    LowRankConfig,
     ModelConfig,
     RecallConfig,
     RefinementConfig,
@@ -39,6 +40,7 @@ from engramkv.errors import (
     StoreMismatchError,
 )
 from engramkv.lm import EpisodicLM
+from engramkv.lowrank_fit import fit_lowrank_bases
 from engramkv.memory.events import (
     DocumentProgress,
     Event,
@@ -77,6 +79,7 @@ __all__ = [
     "IngestProgress",
     "IngestReport",
     "InputError",
+    "LowRankConfig",
     "ModelConfig",
     "ModelLoadError",
     "ModelSpec",
@@ -105,5 +108,6 @@ __all__ = [
     "TransientMemory",
     "WindowConfig",
     "calibrate",
+    "fit_lowrank_bases",
 ]
 __version__ = "0.1.0"

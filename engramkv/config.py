@@ -306,15 +306,37 @@ class IndexConfig(_Strict):
     )
 
 
+class LowRankConfig(_Strict):
+    """The `lowrank` cold-tier codec (`storage.lowrank`): the bases a new store takes; how `fit-bases` fits them."""
+
+    bases: str | None = Field(default=None, description="Bases file (from `engramkv fit-bases`) a new lowrank "
+                              "store copies; None: those shipped for the model. A store reads its own copy.")
+    bits: Literal[4, 8] = Field(default=4, description="Bits per latent code (symmetric, per token group).")
+    group: int = Field(default=32, ge=2, description="Latent dimensions sharing one float16 scale, per token.")
+    rank_step: int = Field(default=8, ge=2, description="Ranks are searched in multiples of this.")
+    heads_per_group: int | None = Field(default=None, ge=1, description="KV heads sharing one basis (None: all).")
+    key_error: float = Field(default=0.1, gt=0, lt=1, description="Fit: each layer's key rank is the least whose "
+                             "held-out error (quantisation included, relative to the centred keys) is within this.")
+    value_error: float = Field(default=0.2, gt=0, lt=1, description="Fit: the same budget for values.")
+    tokens: int = Field(default=32_768, ge=1024, description="Fit: calibration tokens read (a fifth held out).")
+
+    @model_validator(mode="after")
+    def _even_codes(self) -> LowRankConfig:
+        if self.bits == 4 and self.rank_step % 2:
+            raise ValueError("lowrank.rank_step must be even for 4-bit codes (two a byte)")
+        return self
+
+
 class StoreConfig(_Strict):
     """The tiered, persistent event store (used when a session is opened with `store=`)."""
 
-    codec: Literal["fp16", "int8", "int4", "int2"] = Field(
-        default="int8", description="Cold-tier (disk) encoding of event KV; fixed when the store is created."
+    codec: Literal["fp16", "int8", "int4", "int2", "lowrank"] = Field(
+        default="int8",
+        description="Cold-tier (disk) encoding of event KV; fixed when the store is created. 'lowrank': keys and "
+        "values projected onto fitted per-layer bases, the latent quantised (`store.lowrank`).",
     )
-    hot_bytes: int = Field(
-        default=256 * 2**20, ge=0, description="Decoded KV kept on the compute device (LRU by bytes)."
-    )
+    lowrank: LowRankConfig = LowRankConfig()
+    hot_bytes: int = Field(default=256 * 2**20, ge=0, description="Decoded KV kept on the device (LRU by bytes).")
     warm_bytes: int = Field(default=512 * 2**20, ge=0, description="Encoded blobs kept in host RAM (LRU by bytes).")
     prefetch: Literal["auto", "on", "off"] = Field(
         default="auto",
@@ -326,17 +348,15 @@ class StoreConfig(_Strict):
         "not one per blob, when the store is not in the page cache).",
     )
     segment_bytes: int = Field(default=256 * 2**20, ge=2**16, description="Size at which a segment file is closed.")
-    commit_tokens: int = Field(
-        default=16_384, ge=1, description="Ingested tokens between two commits (the most a crash can lose)."
-    )
+    commit_tokens: int = Field(default=16_384, ge=1, description="Ingested tokens between two commits (the most a "
+                               "crash can lose).")
     release_free_memory: bool = Field(
         default=True,
         description="After each commit, hand the C heap's free pages back to the OS (glibc malloc_trim; nothing "
         "elsewhere): memory FAISS and torch freed otherwise stays in the process's resident set.",
     )
-    index_save_events: int = Field(
-        default=2_000, ge=1, description="New events between two index saves (a lagging index is caught up on open)."
-    )
+    index_save_events: int = Field(default=2_000, ge=1, description="New events between two index saves (a "
+                                   "lagging index is caught up on open).")
     catalog_url: str | None = Field(
         default=None, description="SQLAlchemy URL of the catalog; None means catalog.sqlite inside the store directory."
     )

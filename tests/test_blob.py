@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engramkv.storage.blob import BlobLayout
-from engramkv.storage.codec import CODECS, decode_layer, encode_layers, layer_nbytes
+from engramkv.storage.codec import CODECS, QuantCodec, decode_layer, encode_layers, layer_nbytes
 
 L, H, T, D = 3, 2, 7, 8
 
@@ -21,7 +21,7 @@ def parts(seed: int = 0) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, torch.
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_the_blob_is_laid_out_as_drawn(codec):
-    layout = BlobLayout(codec, L, H, D)  # type: ignore[arg-type]
+    layout = BlobLayout(QuantCodec(codec, H, D), L, H, D)  # type: ignore[arg-type]
     tokens, reps, keys, values = parts()
     blob = layout.encode(tokens, reps, keys, values)
     n = layer_nbytes(codec, H, T, D)  # type: ignore[arg-type]
@@ -35,7 +35,7 @@ def test_the_blob_is_laid_out_as_drawn(codec):
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_readers_give_back_each_part(codec):
-    layout = BlobLayout(codec, L, H, D)  # type: ignore[arg-type]
+    layout = BlobLayout(QuantCodec(codec, H, D), L, H, D)  # type: ignore[arg-type]
     tokens, reps, keys, values = parts(seed=1)
     blob = layout.encode(tokens, reps, keys, values)
     view = memoryview(b"\x00" * 5 + blob)[5:]  # as read out of a segment file
@@ -48,7 +48,7 @@ def test_readers_give_back_each_part(codec):
 
 
 def test_parts_of_another_shape_are_refused():
-    layout = BlobLayout("fp16", L, H, D)
+    layout = BlobLayout(QuantCodec("fp16", H, D), L, H, D)
     tokens, reps, keys, values = parts()
     with pytest.raises(ValueError, match="do not match"):
         layout.encode(tokens[:-1], reps, keys, values)

@@ -43,7 +43,7 @@ def _subcommands() -> dict[str, object]:
 def test_every_command_has_help_and_is_in_the_readme():
     readme = README.read_text()
     commands = _subcommands()
-    assert set(commands) == {"ingest", "ask", "recall", "stats", "sessions", "chat", "calibrate"}
+    assert set(commands) == {"ingest", "ask", "recall", "stats", "sessions", "chat", "calibrate", "fit-bases"}
     for name, sub in commands.items():
         assert sub.description, f"{name} has no --help description"  # type: ignore[attr-defined]
         assert f"engramkv {name}" in readme, f"`engramkv {name}` is not documented in the README"
@@ -162,6 +162,23 @@ def test_calibrate_fit_only_writes_coefficients_an_ask_can_use(tmp_path, capsys)
                      "--coefficients", str(out)]) == 0
     plan = json.loads(capsys.readouterr().out.splitlines()[-1])["plan"]
     assert plan["theta"] is not None and len(plan["features"]) == 5
+
+
+def test_fit_bases_writes_a_bases_file_and_refuses_to_overwrite_it(tmp_path, capsys):
+    from engramkv.storage.lowrank import LowRankBases
+
+    doc, out = _doc(tmp_path / "calibration.txt", n=1500), tmp_path / "bases.safetensors"
+    args = ["fit-bases", "--out", str(out), "--text", str(doc), "--tokens", "1024"]
+    assert cli.main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    bases = LowRankBases.load(out)
+    assert report["latent"]["keys"] == [p.latent for p in bases.keys] and len(bases.values) == 3
+    assert bases.fingerprint["model_id"] == "tiny-llama"
+    assert cli.main(args) == 1 and "--force" in capsys.readouterr().err
+    assert cli.main([*args, "--force"]) == 0 and "latent dims per layer" in capsys.readouterr().out
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
+    assert cli.main(["fit-bases", "--out", str(tmp_path / "x"), "--text", str(tmp_path / "binary.txt")]) == 1
+    assert "UTF-8" in capsys.readouterr().err
 
 
 def test_calibrate_config_file_errors_are_clear(tmp_path, capsys):

@@ -28,7 +28,8 @@ ALLOWED = {
     "session": {"answering", "chat", "reading", "engine", "retrieval", "memory", "documents", "results", "config", "errors", "spec"},
     "calibration": {"lm", "hf", "answering", "retrieval", "tasks", "config", "errors"},
     "lm": {"session", "storage", "memory", "hf", "config", "errors", "spec"},
-    "__init__": {"calibration", "lm", "session", "storage", "memory", "retrieval", "results", "config", "errors", "spec"},
+    "lowrank_fit": {"lm", "storage", "config", "errors"},
+    "__init__": {"calibration", "lowrank_fit", "lm", "session", "storage", "memory", "retrieval", "results", "config", "errors", "spec"},
     "cli": {"__init__"},
     "tui": {"__init__"},
 }

@@ -8,10 +8,10 @@ EXPORTED = {
     # what calls return or take
     "IngestReport", "IngestProgress", "RecalledEvent", "SessionStats", "RecallPlan", "ModelSpec",
     "Event", "EventMemory", "PersistentMemory", "TransientMemory", "InMemoryEventMemory", "DocumentProgress",
-    "TierBytes", "Theta", "Answer", "calibrate", "CalibrationReport", "FitReport",
+    "TierBytes", "Theta", "Answer", "calibrate", "CalibrationReport", "FitReport", "fit_lowrank_bases",
     # the config tree
     "EngineConfig", "AllocationConfig", "CalibrationConfig", "ModelConfig", "WindowConfig", "SegmentationConfig", "RefinementConfig", "RepresentativeConfig",
-    "RecallConfig", "GenerationConfig", "StoreConfig", "IndexConfig",
+    "RecallConfig", "GenerationConfig", "StoreConfig", "IndexConfig", "LowRankConfig",
     # the exception tree
     "EngramError", "ConfigError", "ModelLoadError", "InputError", "EmptyInputError", "SessionError", "StoreError",
     "StoreLockedError", "StoreMismatchError", "StoreCorruptError", "StoreFullError", "ReadOnlyError", "NamespaceError",

@@ -4,36 +4,38 @@ A blob is one segment record (`segments.py`) and holds everything a namespace ne
 event again: its tokens, the representatives its layer indexes are rebuilt from, and its KV.
 T = the event's tokens, L = layers, Hkv = KV heads, D = head dim, F = Hkv * D; little-endian, no padding:
 
-    offset                          part                       bytes
-    0                               token ids  int32 (T,)      4 T
-    4 T                             representatives f32 (L, F)  4 L F
-    4 T + 4 L F                     layer 0 KV                 n = layer_nbytes(codec, Hkv, T, D)
-    4 T + 4 L F + l n               layer l KV                 n
+    offset                          part                           bytes
+    0                               token ids  int32 (T,)          4 T
+    4 T                             representatives (L, F)          r L F  (f32, r = 4; lowrank: f16, r = 2)
+    4 T + r L F                     layer 0 KV                     n_0 = codec.layer_nbytes(0, T)
+    4 T + r L F + n_0 + ... n_l-1   layer l KV                     n_l
     ...
-    total                                                      4 T + 4 L F + L n
+    total                                                          4 T + r L F + sum n_l
 
-Each layer's KV is in the store's codec (`codec.py` draws that layout); every layer has the same
-size, so one layer is read without decoding the others.
+Each layer's KV is in the store's codec (`codec.py` draws the quantised layouts, `lowrank.py` its own);
+a layer's offset is known from the sizes alone, so one layer is read without decoding the others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from engramkv.storage.codec import Codec, decode_layer, encode_layers, layer_nbytes
+from engramkv.storage.codec import LayerCodec
 
 
 @dataclass(frozen=True)
 class BlobLayout:
     """The blob layout of one namespace: its codec and the model's attention shape."""
 
-    codec: Codec
+    codec: LayerCodec
     num_layers: int
     kv_heads: int
     head_dim: int
+    # n_tokens -> the L + 1 layer offsets: read per layer per recalled event, so summed once per event size
+    _offsets: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def dim(self) -> int:
@@ -42,8 +44,7 @@ class BlobLayout:
 
     def nbytes(self, n_tokens: int) -> int:
         """Exact size of the blob of an event of `n_tokens`."""
-        return self._kv_start(n_tokens) + self.num_layers * layer_nbytes(self.codec, self.kv_heads, n_tokens,
-                                                                         self.head_dim)
+        return self._layer_start(n_tokens, self.num_layers)
 
     def encode(
         self,
@@ -61,8 +62,8 @@ class BlobLayout:
             raise ValueError(f"representatives of shape {representatives.shape}, expected ({self.num_layers}, "
                              f"{self.dim})")
         parts = [token_ids.to(torch.int32).cpu().numpy().astype("<i4").tobytes(),
-                 representatives.astype("<f4").tobytes()]
-        parts += encode_layers(self.codec, keys, values)  # one per layer, checks that values match keys
+                 _as_dtype(representatives, self.codec.representative_dtype).tobytes()]
+        parts += self.codec.encode_layers(keys, values)  # one per layer, checks that values match keys
         return b"".join(parts)
 
     def tokens(self, blob: bytes | memoryview, n_tokens: int) -> list[int]:
@@ -70,14 +71,30 @@ class BlobLayout:
 
     def representatives(self, blob: bytes | memoryview, n_tokens: int) -> np.ndarray:  # (L, F) float32
         """A copy: the index that receives it outlives the blob."""
-        flat = np.frombuffer(blob, dtype="<f4", count=self.num_layers * self.dim, offset=4 * n_tokens)  # (L * F,)
-        return flat.reshape(self.num_layers, self.dim).copy()
+        flat = np.frombuffer(blob, dtype=self.codec.representative_dtype, count=self.num_layers * self.dim,
+                             offset=4 * n_tokens)  # (L * F,)
+        return flat.reshape(self.num_layers, self.dim).astype(np.float32)
 
     def layer_kv(self, blob: bytes | memoryview, n_tokens: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) of one layer, each float16 (Hkv, T, D)."""
-        size = layer_nbytes(self.codec, self.kv_heads, n_tokens, self.head_dim)
-        at = self._kv_start(n_tokens) + layer * size
-        return decode_layer(self.codec, memoryview(blob)[at : at + size], self.kv_heads, n_tokens, self.head_dim)
+        at = self._layer_start(n_tokens, layer)
+        size = self.codec.layer_nbytes(layer, n_tokens)
+        return self.codec.decode_layer(layer, memoryview(blob)[at : at + size], n_tokens)
 
-    def _kv_start(self, n_tokens: int) -> int:
-        return 4 * n_tokens + 4 * self.num_layers * self.dim
+    def _layer_start(self, n_tokens: int, layer: int) -> int:
+        """Offset of `layer`'s KV (of `num_layers`: the blob's end)."""
+        offsets = self._offsets.get(n_tokens)
+        if offsets is None:
+            at = 4 * n_tokens + np.dtype(self.codec.representative_dtype).itemsize * self.num_layers * self.dim
+            starts = [at]
+            for i in range(self.num_layers):
+                starts.append(starts[-1] + self.codec.layer_nbytes(i, n_tokens))
+            offsets = self._offsets[n_tokens] = tuple(starts)
+        return offsets[layer]
+
+
+def _as_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """`x` in `dtype`; into float16 clipped to its range (a representative past it would read back as inf)."""
+    if np.dtype(dtype).itemsize == 2:
+        x = np.clip(x, -65504.0, 65504.0)
+    return x.astype(dtype)

@@ -18,12 +18,15 @@ Layout of one layer (H = KV heads, T = tokens, D = head dim; all little-endian, 
 
 The float16 parameters come first so they stay 2-byte aligned relative to the buffer start
 whatever the (possibly odd) length of the codes.
+
+A blob reads its KV through `LayerCodec`, which these codecs (`QuantCodec`) and `lowrank.LowRankCodec`
+implement.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -156,3 +159,38 @@ def decode_layer(
     keys = torch.addcmul(k_zero, k_codes, k_scale).half()  # (H, T, D)
     values = torch.addcmul(v_zero, v_codes, v_scale).half()  # (H, T, D)
     return keys, values
+
+
+class LayerCodec(Protocol):
+    """How a blob's KV is encoded, one layer at a time (a layer's size may depend on the layer)."""
+
+    name: str  # what the catalog records as the store's codec
+    representative_dtype: str  # numpy dtype of the blob's representatives
+
+    def layer_nbytes(self, layer: int, n_tokens: int) -> int: ...
+
+    def encode_layers(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes]: ...
+
+    def decode_layer(self, layer: int, buffer: bytes | memoryview, n_tokens: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class QuantCodec:
+    """`LayerCodec` of fp16 / int8 / int4 / int2: every layer the same size, float32 representatives."""
+
+    representative_dtype = "<f4"
+
+    def __init__(self, codec: Codec, kv_heads: int, head_dim: int):
+        _check_codec(codec)
+        self.name, self.kv_heads, self.head_dim = codec, kv_heads, head_dim
+        self.codec: Codec = codec
+
+    def layer_nbytes(self, layer: int, n_tokens: int) -> int:
+        return layer_nbytes(self.codec, self.kv_heads, n_tokens, self.head_dim)
+
+    def encode_layers(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes]:
+        return encode_layers(self.codec, keys, values)
+
+    def decode_layer(self, layer: int, buffer: bytes | memoryview, n_tokens: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return decode_layer(self.codec, buffer, self.kv_heads, n_tokens, self.head_dim)

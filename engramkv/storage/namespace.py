@@ -35,7 +35,6 @@ from engramkv.memory.events import DocumentProgress, Event, TierBytes
 from engramkv.memory.summary import key_summary
 from engramkv.storage import catalog as cat
 from engramkv.storage.blob import BlobLayout
-from engramkv.storage.codec import Codec
 from engramkv.storage.durable import replace_durably
 from engramkv.storage.heap import release_free_heap
 from engramkv.storage.index import LayerIndexes
@@ -94,9 +93,9 @@ class NamespaceMemory:
     ):
         spec, cfg = store.spec, store.cfg
         self.store, self.ns_id, self.cfg = store, ns_id, cfg
-        self.codec: Codec = store.codec  # type: ignore[assignment]  # validated when the store was created
+        self.codec = store.codec  # the catalog's name of it (validated when the store was opened)
         self.device, self.dtype = device, dtype
-        self.layout = BlobLayout(self.codec, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.layout = BlobLayout(store.kv_codec, spec.num_layers, spec.num_kv_heads, spec.head_dim)
         self.dir = store.namespace_dir(ns_id)
         self.writable = not store.read_only
         self.broken: str | None = None  # set when a write failed half-way: reopen to recover

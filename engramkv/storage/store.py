@@ -4,6 +4,8 @@
       catalog.sqlite          the catalog (`catalog.py`; or any SQLAlchemy URL, e.g. PostgreSQL)
       STORE_ID                the store's uuid, also in the catalog: pairs directory and catalog
       LOCK                    flock'ed by the one writer; holds its pid
+      LOWRANK_BASES           the lowrank codec's bases (`lowrank.py`), copied in when such a store is
+                              created; its digest is in the catalog's codec name ("lowrank:<digest>")
       ns/000001/              one directory per namespace (`namespace.py`), named by catalog id (never
                               by user text, so no name can reach outside the store)
 
@@ -27,11 +29,30 @@ from pathlib import Path
 import torch
 
 from engramkv.config import StoreConfig
-from engramkv.errors import NamespaceError, ReadOnlyError, StoreError, StoreLockedError, StoreMismatchError
+from engramkv.errors import (
+    ConfigError,
+    NamespaceError,
+    ReadOnlyError,
+    StoreCorruptError,
+    StoreError,
+    StoreLockedError,
+    StoreMismatchError,
+)
 from engramkv.spec import ModelSpec
 from engramkv.storage import catalog as cat
+from engramkv.storage import lowrank
+from engramkv.storage.codec import LayerCodec, QuantCodec
 from engramkv.storage.durable import replace_durably
 from engramkv.storage.namespace import NamespaceMemory, dir_bytes
+
+BASES_FILE = "LOWRANK_BASES"
+SHIPPED_BASES = Path(__file__).resolve().parent.parent / "bases"  # fitted by `engramkv fit-bases`, one per model
+
+
+def shipped_bases(model_id: str) -> Path:
+    """Where the lowrank bases shipped for `model_id` live (the file may not exist)."""
+    return SHIPPED_BASES / (model_id.replace("/", "--") + ".safetensors")
+
 
 _NAME = re.compile(r"^[A-Za-z0-9_@:+=-][A-Za-z0-9_.@:+=-]{0,127}$")
 DEFAULT_NAME = "default"
@@ -74,10 +95,17 @@ class EventStore:
                 raise StoreError(f"{self.path} exists and is not a directory")
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock()
-        self.db = cat.open_catalog(cfg.catalog_url or f"sqlite:///{self.path / 'catalog.sqlite'}",
-                                   writable=not read_only)
-        self.codec = self._check_fingerprint()
         self._open: dict[int, NamespaceMemory] = {}
+        try:
+            self.db = cat.open_catalog(cfg.catalog_url or f"sqlite:///{self.path / 'catalog.sqlite'}",
+                                       writable=not read_only)
+            self.codec = self._check_fingerprint()
+            self.kv_codec = self._layer_codec(self.codec)
+        except BaseException:  # a store that cannot be opened must not stay locked by this process
+            if hasattr(self, "db"):
+                self.db.dispose()
+            self._unlock()
+            raise
 
     def _lock(self) -> None:
         fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
@@ -107,9 +135,10 @@ class EventStore:
                 raise StoreMismatchError(f"{self.path} belongs to a store whose catalog is elsewhere (STORE_ID "
                                          f"{dir_id}); give the same catalog_url it was created with")
             store_uuid = str(uuid.uuid4())
+            codec = self._new_codec()
             replace_durably(id_file, store_uuid.encode())
-            cat.create_store_info(self.db, store_uuid, mine, self.cfg.codec)
-            return self.cfg.codec
+            cat.create_store_info(self.db, store_uuid, mine, codec)
+            return codec
         if dir_id != info.store_uuid:
             raise StoreMismatchError(
                 f"the catalog {cat.describe(self.db)} belongs to another store directory than {self.path} "
@@ -127,6 +156,37 @@ class EventStore:
                 + ", ".join(f"{k}: store {a!r} vs model {b!r}" for k, (a, b) in diff.items()) + ")"
             )
         return info.codec
+
+    def _new_codec(self) -> str:
+        """The codec name a new store records; for lowrank, its bases are copied in first."""
+        if self.cfg.codec != "lowrank":
+            return self.cfg.codec
+        source = Path(self.cfg.lowrank.bases).expanduser() if self.cfg.lowrank.bases else shipped_bases(
+            self.spec.model_id)
+        if not source.is_file():
+            raise ConfigError(f"store.codec 'lowrank' needs bases: no file {source}; fit them with "
+                              "`engramkv fit-bases` and pass store.lowrank.bases")
+        data = source.read_bytes()
+        lowrank.LowRankBases.from_bytes(data, str(source)).check_model(self.spec.model_dump(), str(source))
+        replace_durably(self.path / BASES_FILE, data)
+        return "lowrank:" + lowrank.digest(data)
+
+    def _layer_codec(self, name: str) -> LayerCodec:
+        """The codec the store's blobs are read and written with: a quantisation, or lowrank over the
+        store's own bases, whose digest must be the one its name records."""
+        spec = self.spec
+        if not name.startswith("lowrank:"):
+            return QuantCodec(name, spec.num_kv_heads, spec.head_dim)  # type: ignore[arg-type]  # a catalog codec
+        path = self.path / BASES_FILE
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise StoreCorruptError(f"the lowrank store {self.path} has lost its bases {path}: {err}") from err
+        if "lowrank:" + lowrank.digest(data) != name:
+            raise StoreCorruptError(f"{path} is not the bases this store was written with (digest "
+                                    f"{lowrank.digest(data)}, the catalog records {name.split(':')[1]})")
+        bases = lowrank.LowRankBases.from_bytes(data, str(path))
+        return lowrank.LowRankCodec(bases, name, spec.num_kv_heads, spec.head_dim)
 
     # ------------------------------------------------------------------ namespaces
     def namespace(
@@ -182,6 +242,9 @@ class EventStore:
         for memory in list(self._open.values()):
             memory.close()
         self.db.dispose()
+        self._unlock()
+
+    def _unlock(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None

@@ -7,6 +7,7 @@
     engramkv sessions list|delete --store DIR
     engramkv chat [--store DIR]             the terminal chat app
     engramkv calibrate --out FILE           fit the recall budget model (allocation coefficients)
+    engramkv fit-bases --out FILE           fit the lowrank codec's bases on the model's own KV
 
 Exit status: 0 success, 1 error (the message says why), 130 interrupted.
 """
@@ -22,10 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engramkv import ConfigError, EngramError, GenerationConfig, IngestProgress, InputError
-
-DEFAULT_STORE = "~/.engramkv/store"
-
+from engramkv import ConfigError, EngramError, IngestProgress, InputError
+from engramkv.cli.parser import parser_for
 
 def load_model(name_or_path: str | None, quiet: bool = False) -> Any:
     """The model behind every command (the test seam: tests swap in a tiny one)."""
@@ -177,6 +176,36 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit_bases(args: argparse.Namespace) -> int:
+    from engramkv import EngineConfig, fit_lowrank_bases
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise InputError(f"{out} exists; pass --force to replace it")
+    texts = [_read_text(path) for path in args.text] if args.text else None
+    lm = _model(args)
+    base = _config_file(args.config) if args.config else lm.config
+    updates = {name: getattr(args, name) for name in ("tokens", "bits", "key_error", "value_error",
+                                                      "heads_per_group") if getattr(args, name) is not None}
+    lowrank = base.store.lowrank.model_copy(update=updates)
+    cfg = base.model_copy(update={"store": base.store.model_copy(update={"lowrank": lowrank})})
+    cfg = EngineConfig.model_validate(cfg.model_dump())  # validate the values given on the command line
+    bases = fit_lowrank_bases(lm, cfg, texts, progress=None if args.json else _progress_line)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bases.save(out)
+    sizes = {"keys": [p.latent for p in bases.keys], "values": [p.latent for p in bases.values]}
+    if args.json:
+        print(json.dumps({"out": str(out), "latent": sizes, "errors": bases.errors, "bits": bases.bits}))
+        return 0
+    width = lm.spec.num_kv_heads * lm.spec.head_dim
+    for name in ("keys", "values"):
+        ranks = sizes[name]
+        print(f"  {name:6s} latent dims per layer {min(ranks)}-{max(ranks)} of {width} (mean {sum(ranks) / len(ranks):.0f}); "
+              f"held-out relative error {max(bases.errors[name]):.3f} at most")
+    print(f"wrote {out}; use it with store.codec 'lowrank' and store.lowrank.bases")
+    return 0
+
+
 def _config_file(path: str) -> Any:
     """An `EngineConfig` from a JSON file of the fields to change (the rest default)."""
     from pydantic import ValidationError
@@ -189,6 +218,13 @@ def _config_file(path: str) -> Any:
         raise ConfigError(f"--config {path}: cannot read a JSON config ({err})") from err
     except ValidationError as err:
         raise ConfigError(f"--config {path}: {err}") from err
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"{path}: cannot read it as UTF-8 text ({err})") from err
 
 
 def _progress_line(line: str) -> None:
@@ -271,105 +307,13 @@ def _one_line(text: str, limit: int = 160) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
-def _common(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
-    parser.add_argument("--store", default=DEFAULT_STORE, help=f"store directory (default {DEFAULT_STORE})")
-    parser.add_argument("--user", default="default", help="namespace: user_id (default 'default')")
-    parser.add_argument("--agent", default="default", help="namespace: agent_id (default 'default')")
-    parser.add_argument("--session", default="default", help="namespace: session_id (default 'default')")
-    parser.add_argument("--model", default=None,
-                        help="hub id or local path of a Llama/Qwen2/Mistral model (default: the embedded one)")
-    if json_flag:
-        parser.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+COMMANDS = {"ingest": cmd_ingest, "ask": cmd_ask, "recall": cmd_recall, "calibrate": cmd_calibrate,
+            "fit-bases": cmd_fit_bases, "stats": cmd_stats, "sessions": cmd_sessions, "chat": cmd_chat}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="engramkv", description="Episodic memory inside a language model's "
-                                     "attention: ingest long documents, then ask, recall and chat over them.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("ingest", help="stream text files into a store (resumable, Ctrl-C safe)",
-                       description="Stream UTF-8 text or Markdown files into a store. Binary or undecodable "
-                       "files are refused before anything is written. Ctrl-C commits and stops; running the "
-                       "same command again resumes where it stopped.")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="text files to ingest, in order")
-    _common(p)
-    p.set_defaults(run=cmd_ingest)
-
-    p = sub.add_parser("ask", help="ask a question over the stored stream (one chat turn, store unchanged)",
-                       description="One chat turn over everything stored in the namespace. The store is opened "
-                       "read-only: the question and answer are not kept.")
-    p.add_argument("question")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help=f"longest answer in tokens (default: the config's, {GenerationConfig().max_new_tokens})")
-    p.add_argument("--budget-tokens", type=int, default=None,
-                   help="the most context the answer reads: resident window + question + recalled tokens "
-                   "(default: recall.answer_context_tokens, unset)")
-    p.add_argument("--show-recall", action="store_true",
-                   help="also print the inference parameters and the events the answer attended to, best match first")
-    p.add_argument("--allocation", choices=["fixed", "model", "auto"], default=None,
-                   help="how the recall budget is chosen: the fixed default, the fitted allocation model, or "
-                   "'auto' (the model where coefficients ship for it) (default: the config's allocation.mode)")
-    p.add_argument("--coefficients", default=None,
-                   help="allocation coefficients file (`engramkv calibrate --out`; default: the ones shipped for the model)")
-    p.add_argument("-k", type=int, default=3, help="events shown with --show-recall or --json (default 3)")
-    _common(p)
-    p.set_defaults(run=cmd_ask)
-
-    p = sub.add_parser("recall", help="the stored events that best match a query",
-                       description="Match QUERY against every stored event the way a question is matched "
-                       "(its tokens' keys against each event's key summary, then a token-level re-ranking) and "
-                       "print the best K with their text and score.")
-    p.add_argument("query")
-    p.add_argument("-k", type=int, default=5, help="number of events (default 5)")
-    _common(p)
-    p.set_defaults(run=cmd_recall)
-
-    p = sub.add_parser("calibrate", help="fit the recall budget model on calibration tasks and write its coefficients",
-                       description="Ingest each calibration document once into a store under --work-dir, answer "
-                       "its question as a chat turn under a design of inference parameters (events, tokens per "
-                       "event, recall rounds, demonstrations, window), fit the allocation model, and write its "
-                       "coefficients with R^2 and MSE on held-out samples (JSON; pass it as "
-                       "allocation.coefficients). Interrupted, it resumes from the observations it wrote.")
-    p.add_argument("--out", default="allocation.json", help="coefficients file to write (default allocation.json)")
-    p.add_argument("--work-dir", default="calibration-work",
-                   help="stores and observations.jsonl of the run (default ./calibration-work)")
-    p.add_argument("--tasks", nargs="+", default=None, help="calibration tasks (default: the config's)")
-    p.add_argument("--lengths", nargs="+", type=int, default=None, help="document lengths in tokens")
-    p.add_argument("--samples", type=int, default=None, help="samples per task and length")
-    p.add_argument("--design-size", type=int, default=None, help="thetas every sample is answered under")
-    p.add_argument("--fit-only", action="store_true", help="fit the observations already written; run nothing")
-    p.add_argument("--refeature", action="store_true",
-                   help="answer nothing: measure again the features of observations written before a feature "
-                   "was added (each document ingested again), then fit")
-    p.add_argument("--model-id", default=None, help="with --fit-only: the model the observations are of "
-                   "(default: the embedded model's id)")
-    p.add_argument("--model", default=None, help="hub id or local path of the model to calibrate (default: embedded)")
-    p.add_argument("--config", default=None, metavar="FILE",
-                   help='JSON of the EngineConfig fields to change, e.g. {"recall": {"answer_reading": "centred"}}; '
-                   "the options above override its calibration fields")
-    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    p.set_defaults(run=cmd_calibrate)
-
-    p = sub.add_parser("stats", help="tokens, events, tiers and disk use of a namespace",
-                       description="Tokens, events, documents, memory tiers and disk use of one namespace.")
-    _common(p)
-    p.set_defaults(run=cmd_stats)
-
-    p = sub.add_parser("sessions", help="list or delete the namespaces of a store",
-                       description="'list' shows every namespace (user/agent/session) of the store; 'delete' "
-                       "removes one with its events, index entries and blobs.")
-    p.add_argument("action", choices=["list", "delete"])
-    p.add_argument("--yes", action="store_true", help="delete without asking")
-    _common(p)
-    p.set_defaults(run=cmd_sessions)
-
-    p = sub.add_parser("chat", help="open the terminal chat app over a store",
-                       description="A Textual chat over one namespace of a store: streamed answers, a memory "
-                       "panel, the events recalled for each answer, a surprise plot, /ingest PATH with a "
-                       "progress bar, /session NAME to switch. Conversation turns are kept as memory.")
-    _common(p, json_flag=False)
-    p.set_defaults(run=cmd_chat, json=False)
-    return parser
+    """The argument parser of every command (`cli.parser`), each wired to its `cmd_*` function."""
+    return parser_for(COMMANDS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

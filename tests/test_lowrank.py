@@ -1,0 +1,210 @@
+"""The lowrank cold-tier codec: the fit's rank search, the layer layout, the bases file, and stores that
+take, keep and check their bases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engramkv import EngineConfig
+from engramkv.config import LowRankConfig, RecallConfig, SegmentationConfig, StoreConfig, WindowConfig
+from engramkv.errors import ConfigError, StoreCorruptError
+from engramkv import fit_lowrank_bases
+from engramkv.lowrank_fit import stdlib_docstrings
+from engramkv.storage import lowrank
+from engramkv.storage.blob import BlobLayout
+from engramkv.storage.store import BASES_FILE
+
+from conftest import VOCAB, tiny_pair
+
+H, D = 2, 16  # the tiny models' KV heads and head dim
+
+
+def low_rank_kv(n: int, rank: int, seed: int, noise: float = 1e-3) -> torch.Tensor:  # (H, n, D)
+    """KV whose centred rows span `rank` of the H * D dimensions, plus a little noise and a large mean."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(H * D, rank, generator=g))[0]  # (F, r)
+    rows = torch.randn(n, rank, generator=g) * torch.linspace(3, 1, rank) @ basis.T  # (n, F)
+    rows = rows + 5.0 + noise * torch.randn(n, H * D, generator=g)
+    return rows.view(n, H, D).transpose(0, 1).contiguous()
+
+
+def test_the_rank_search_finds_the_rank_of_the_signal():
+    x = low_rank_kv(600, 16, seed=0)
+    projection, error = lowrank.fit_projection(x[:, :500], x[:, 500:], H, max_error=0.02, bits=8, group=8,
+                                               rank_step=8)
+    assert projection.rank == 16 and error <= 0.02
+    assert torch.allclose(projection.basis[0].T @ projection.basis[0], torch.eye(16), atol=1e-4)  # orthonormal
+    # A budget below the noise floor of 8-bit codes takes the full width.
+    full, _ = lowrank.fit_projection(x[:, :500], x[:, 500:], H, max_error=1e-6, bits=8, group=8, rank_step=8)
+    assert full.rank == H * D
+
+
+@pytest.mark.parametrize("heads_per_group", [1, 2])
+def test_project_and_reconstruct_are_inverse_at_full_rank(heads_per_group):
+    x = torch.randn(H, 40, D, generator=torch.Generator().manual_seed(1))
+    projection, error = lowrank.fit_projection(x[:, :30], x[:, 30:], heads_per_group, max_error=1e-9, bits=8,
+                                               group=8, rank_step=8)
+    assert projection.latent == H * D and projection.basis.shape[0] == H // heads_per_group
+    assert torch.allclose(projection.reconstruct(projection.project(x), H), x, atol=1e-4)
+    assert error < 0.02  # what 8-bit codes cost
+
+
+def test_quantise_round_trips_within_half_a_step():
+    z = torch.randn(9, 37, generator=torch.Generator().manual_seed(2)) * 4
+    for bits in (4, 8):
+        codes, scale = lowrank.quantise(z, bits, group=16)
+        assert codes.dtype == torch.uint8 and scale.shape == (9, math.ceil(37 / 16))
+        assert int(codes.max()) <= 2 * (2 ** (bits - 1) - 1)
+        back = lowrank.dequantise(codes, scale, bits, group=16)
+        step = scale.float().repeat_interleave(16, dim=1)[:, :37]
+        assert bool(((back - z).abs() <= step / 2 + 1e-3).all())
+    zero = torch.zeros(2, 8)
+    assert torch.equal(lowrank.dequantise(*lowrank.quantise(zero, 4, 8), 4, 8), zero)
+
+
+def _bases(bits: int = 4, rank: int = 16) -> lowrank.LowRankBases:
+    layers = [low_rank_kv(400, rank, seed=s) for s in range(3)]
+    budget = 0.05 if bits == 8 else 0.15  # 4-bit codes alone cost about 0.1
+    cfg = LowRankConfig(bits=bits, group=8, rank_step=8, key_error=budget, value_error=budget)
+    return lowrank.fit_bases(layers, [x * 0.5 for x in layers], cfg, {"model_id": "synthetic"})
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_codec_writes_what_layer_nbytes_says_and_reads_it_back(bits):
+    bases = _bases(bits)
+    codec = lowrank.LowRankCodec(bases, "lowrank:00000000", H, D)
+    keys = torch.stack([low_rank_kv(400, 16, seed=s)[:, 390:] for s in range(3)])  # (L, H, T=10, D)
+    values = keys * 0.5
+    encoded = codec.encode_layers(keys, values)
+    for layer, buf in enumerate(encoded):
+        latent_k, latent_v = bases.keys[layer].latent, bases.values[layer].latent
+        expected = sum(10 * (2 * math.ceil(r / 8) + r * bits // 8) for r in (latent_k, latent_v))
+        assert len(buf) == codec.layer_nbytes(layer, 10) == expected
+        k, v = codec.decode_layer(layer, memoryview(b"\x00" + buf)[1:], 10)
+        assert k.dtype == v.dtype == torch.float16 and k.shape == (H, 10, D)
+        centred = (keys[layer] - keys[layer].mean(dim=1, keepdim=True)).norm()
+        assert float((k.float() - keys[layer]).norm() / centred) < (0.2 if bits == 4 else 0.05)
+        assert float((v.float() - values[layer]).norm() / (centred * 0.5)) < (0.2 if bits == 4 else 0.05)
+    assert bases.keys[0].rank < H * D  # the signal is rank 16 of 32: the codec stores less than fp16 would
+    with pytest.raises(ValueError, match="needs"):
+        codec.decode_layer(0, encoded[0][:-1], 10)
+    with pytest.raises(ValueError, match="NaN"):
+        codec.encode_layers(keys * float("nan"), values)
+
+
+def test_a_blob_of_the_lowrank_codec_round_trips_with_float16_representatives():
+    codec = lowrank.LowRankCodec(_bases(), "lowrank:00000000", H, D)
+    layout = BlobLayout(codec, 3, H, D)
+    keys = torch.stack([low_rank_kv(400, 16, seed=s)[:, :7] for s in range(3)])
+    reps = torch.randn(3, H * D).numpy()
+    blob = layout.encode(torch.arange(7), reps, keys, keys * 0.5)
+    assert len(blob) == layout.nbytes(7) == 4 * 7 + 2 * 3 * H * D + sum(codec.layer_nbytes(i, 7) for i in range(3))
+    assert layout.tokens(blob, 7) == list(range(7))
+    assert abs(layout.representatives(blob, 7) - reps).max() < 1e-2
+    for layer in range(3):
+        assert torch.equal(layout.layer_kv(blob, 7, layer)[0], codec.decode_layer(
+            layer, codec.encode_layers(keys, keys * 0.5)[layer], 7)[0])
+
+
+def test_the_bases_file_round_trips_and_a_damaged_one_is_refused(tmp_path):
+    bases = _bases()
+    data = bases.to_bytes()
+    again = lowrank.LowRankBases.from_bytes(data, "here")
+    assert again.errors == bases.errors and again.bits == bases.bits and again.fingerprint == bases.fingerprint
+    assert all(torch.equal(a.basis, b.basis) and torch.equal(a.mean, b.mean) for a, b in zip(again.keys, bases.keys))
+    flipped = bytearray(data)
+    flipped[-3] ^= 0x40  # a byte of the last tensor
+    for damaged in (data[:100], b"\xff" * 64, bytes(flipped)):
+        with pytest.raises(StoreCorruptError, match="not a readable lowrank bases file"):
+            lowrank.LowRankBases.from_bytes(damaged, "here")
+    with pytest.raises(ConfigError, match="fitted for model 'synthetic'"):
+        bases.check_model({"model_id": "another"}, "here")
+
+
+CFG = EngineConfig(
+    window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
+    recall=RecallConfig(budget_tokens=64),
+    segmentation=SegmentationConfig(min_event=4, max_event=24),
+)
+
+
+def _text(n: int, seed: int = 0) -> str:
+    ids = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return " ".join(map(str, ids))
+
+
+@pytest.fixture(scope="module")
+def tiny_bases(tmp_path_factory) -> str:
+    """Bases fitted by `fit_lowrank_bases` on the tiny llama's own KV of random text."""
+    cfg = CFG.model_copy(update={"store": StoreConfig(lowrank=LowRankConfig(tokens=1200, group=8))})
+    _, lm = tiny_pair("llama", cfg)
+    bases = fit_lowrank_bases(lm, cfg, [_text(700, seed=1), _text(700, seed=2)])
+    assert len(bases.keys) == 3 and bases.fingerprint["model_id"] == "tiny-llama"
+    path = tmp_path_factory.mktemp("bases") / "tiny.safetensors"
+    bases.save(path)
+    return str(path)
+
+
+def _lowrank_cfg(bases: str | None) -> EngineConfig:
+    return CFG.model_copy(update={"store": StoreConfig(codec="lowrank", commit_tokens=100,
+                                                       lowrank=LowRankConfig(bases=bases, group=8))})
+
+
+def test_a_lowrank_store_keeps_its_bases_and_serves_the_stream_after_reopening(tmp_path, tiny_bases):
+    cfg = _lowrank_cfg(tiny_bases)
+    _, lm = tiny_pair("llama", cfg)
+    with lm.session(store=tmp_path / "s") as s:
+        s.ingest(_text(600, seed=3))
+        assert s.memory is not None and s.memory.codec.startswith("lowrank:")
+        events = s.events
+    lm.close()
+    assert (tmp_path / "s" / BASES_FILE).read_bytes() == open(tiny_bases, "rb").read()
+    replies = []
+    # Reopened with the config it was made with, then with another (another codec, no bases): the store
+    # reads with what it was written with, the same KV both times. (The writing session answered from the
+    # exact KV it still held; a lossy codec's store answers from what it kept.)
+    for config in (cfg, CFG):
+        _, fresh = tiny_pair("llama", config)
+        with fresh.session(store=tmp_path / "s", read_only=True) as s:
+            assert s.events == events and s.memory is not None and s.memory.verify() == events
+            replies.append(s.generate_ids([1, 2, 3], max_new_tokens=8))
+        fresh.close()
+    assert replies[0] == replies[1] and len(replies[0]) == 8
+
+
+def test_a_store_whose_bases_were_swapped_or_lost_is_refused(tmp_path, tiny_bases):
+    _, lm = tiny_pair("llama", _lowrank_cfg(tiny_bases))
+    with lm.session(store=tmp_path / "s") as s:
+        s.ingest(_text(300, seed=4))
+    lm.close()
+    path = tmp_path / "s" / BASES_FILE
+    data = path.read_bytes()
+    path.write_bytes(data[:-4] + bytes(4))
+    _, again = tiny_pair("llama", CFG)
+    with pytest.raises(StoreCorruptError, match="not the bases this store was written with"):
+        again.session(store=tmp_path / "s")
+    again.close()
+    path.unlink()
+    _, again = tiny_pair("llama", CFG)
+    with pytest.raises(StoreCorruptError, match="has lost its bases"):
+        again.session(store=tmp_path / "s")
+    again.close()
+
+
+def test_a_new_lowrank_store_needs_bases_of_its_model(tmp_path, tiny_bases):
+    _, qwen = tiny_pair("qwen2", _lowrank_cfg(tiny_bases))  # the bases are the llama's
+    with pytest.raises(ConfigError, match="fitted for model 'tiny-llama'"):
+        qwen.session(store=tmp_path / "a")
+    qwen.close()
+    _, lm = tiny_pair("llama", _lowrank_cfg(None))  # none ship for a tiny model
+    with pytest.raises(ConfigError, match="fit-bases"):
+        lm.session(store=tmp_path / "b")
+    lm.close()
+
+
+def test_the_default_calibration_text_is_there_offline():
+    pieces = list(stdlib_docstrings())
+    assert len(pieces) > 200 and sum(map(len, pieces)) > 200_000
