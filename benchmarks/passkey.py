@@ -7,7 +7,7 @@ attention up to --full-max tokens). A sample scores 1 when the 5-digit key is in
 option of evaluate.py applies (--systems, --lengths, --samples, --resume, --merge, --name, ...); the
 systems that used to be this script's own are evaluate.py systems: `engram-fixed` (memory at one
 fixed distance), `infllm` (uniform 128-token blocks, no surprise: was `engram-uniform`) and
-`engram-store-fp16/-int8/-int4/-int2` (the events in a store on disk, cold tier in that codec).
+`engram-store-fp16/-int8/-int4/-int2/-lowrank` (the events in a store on disk, cold tier in that codec).
 
 Writes benchmarks/results/passkey/{name}.json, .md and .png (default name: passkey).
 

@@ -13,9 +13,10 @@ Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --
 
   engram-before-question  the answer's events right before the prompt, as RAG places its chunks
   engram-fixed            memory at one fixed distance (the InfLLM/EM-LLM position scheme)
-  engram-store-fp16 / -int8 / -int4 / -int2
+  engram-store-fp16 / -int8 / -int4 / -int2 / -lowrank
                           engramkv with its events in a persistent store on disk (a temporary
-                          directory), cold tier in that codec: the effect of the store and its compression
+                          directory), cold tier in that codec (lowrank: the bases shipped for the model):
+                          the effect of the store and its compression
   full-around-fact        the facts task's reading ceiling: full attention over ~150 tokens around the fact
   engram-alloc            engramkv, the inference parameters theta chosen per question by the allocation
                           model (the coefficients shipped in engramkv/coefficients/)
@@ -398,7 +399,8 @@ VARIANTS = {
     # Not in the default grid either (they were passkey.py's own systems before it became a preset of this
     # harness; its uniform-block system is `infllm`): the position scheme, and the store on disk per codec.
     "engram-fixed": _variant(recall={"positions": "fixed"}),
-    **{f"engram-store-{codec}": _variant(store={"codec": codec}) for codec in ("fp16", "int8", "int4", "int2")},
+    **{f"engram-store-{codec}": _variant(store={"codec": codec})
+       for codec in ("fp16", "int8", "int4", "int2", "lowrank")},
 }
 
 
