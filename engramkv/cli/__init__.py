@@ -153,10 +153,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from engramkv import EngineConfig, calibrate
 
     base = _config_file(args.config) if args.config else EngineConfig()
-    updates = {name: getattr(args, name) for name in ("tasks", "lengths", "samples", "design_size")
-               if getattr(args, name) is not None}
-    cfg = base.model_copy(update={"calibration": base.calibration.model_copy(update=updates)})
-    cfg = EngineConfig.model_validate(cfg.model_dump())  # validate the values given on the command line
+    cfg = _with_options(base, ("calibration",), args, ("tasks", "lengths", "samples", "design_size"))
     if args.fit_only and args.refeature:
         raise InputError("--refeature measures features with the model; it cannot be combined with --fit-only")
     lm = None if args.fit_only else _model(args)  # a fit alone needs no model, only its id
@@ -177,7 +174,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_fit_bases(args: argparse.Namespace) -> int:
-    from engramkv import EngineConfig, fit_lowrank_bases
+    from engramkv import fit_lowrank_bases
 
     out = Path(args.out)
     if out.exists() and not args.force:
@@ -185,11 +182,8 @@ def cmd_fit_bases(args: argparse.Namespace) -> int:
     texts = [_read_text(path) for path in args.text] if args.text else None
     lm = _model(args)
     base = _config_file(args.config) if args.config else lm.config
-    updates = {name: getattr(args, name) for name in ("tokens", "bits", "key_error", "value_error",
-                                                      "heads_per_group") if getattr(args, name) is not None}
-    lowrank = base.store.lowrank.model_copy(update=updates)
-    cfg = base.model_copy(update={"store": base.store.model_copy(update={"lowrank": lowrank})})
-    cfg = EngineConfig.model_validate(cfg.model_dump())  # validate the values given on the command line
+    cfg = _with_options(base, ("store", "lowrank"), args, ("tokens", "bits", "key_error", "value_error",
+                                                         "heads_per_group"))
     bases = fit_lowrank_bases(lm, cfg, texts, progress=None if args.json else _progress_line)
     out.parent.mkdir(parents=True, exist_ok=True)
     bases.save(out)
@@ -218,6 +212,18 @@ def _config_file(path: str) -> Any:
         raise ConfigError(f"--config {path}: cannot read a JSON config ({err})") from err
     except ValidationError as err:
         raise ConfigError(f"--config {path}: {err}") from err
+
+
+def _with_options(base: Any, section: tuple[str, ...], args: argparse.Namespace, names: tuple[str, ...]) -> Any:
+    """`base` with the options in `names` that were given on the command line set in its `section`, validated."""
+    from engramkv import EngineConfig
+
+    data = base.model_dump()
+    target = data
+    for key in section:
+        target = target[key]
+    target.update({name: getattr(args, name) for name in names if getattr(args, name) is not None})
+    return EngineConfig.model_validate(data)
 
 
 def _read_text(path: str) -> str:
