@@ -320,7 +320,13 @@ def facts(tokenizer: Tokenizer, length: int, seed: int, corpus: str | None = Non
         paragraph = paragraphs[(start + len(chosen)) % len(paragraphs)]
         total += _count(tokenizer, paragraph) + 1
         chosen.append(paragraph)
-    chosen = chosen[:-1] if len(chosen) > 1 else chosen  # stay under the length
+    if len(chosen) > 1:  # stay under the length
+        last = chosen.pop()
+        total -= _count(tokenizer, last) + 1
+        if total < 0.9 * length:  # a long last paragraph: keep the words of it that fit
+            words = last.split()
+            keep = max(1, int(len(words) * (length - total) / (_count(tokenizer, last) + 1)) - 1)
+            chosen.append(" ".join(words[:keep]))
     at = int(rng.uniform(0.1, 0.9) * len(chosen))
     chosen.insert(at, fact)
     return Sample("facts", length, seed, ["\n\n".join(chosen)], f"\n\nQuestion: {question}\nAnswer:", question,
