@@ -73,18 +73,16 @@ class RefinementConfig(_Strict):
 
     enabled: bool = True
     metric: Literal["modularity", "conductance"] = "modularity"
-    layer_fraction: float = Field(
-        default=1 / 3, gt=0, le=1, description="Fraction of upper layers whose keys build the similarity graph."
-    )
+    layer_fraction: float = Field(default=1 / 3, gt=0, le=1,
+                                  description="Fraction of upper layers whose keys build the similarity graph.")
 
 
 class RepresentativeConfig(_Strict):
     """How each event is summarised for the index."""
 
     keys_per_head: int = Field(default=4, ge=1, description="Most-attended keys averaged per KV head.")
-    stat_queries: int = Field(
-        default=32, ge=1, description="Last queries of each chunk whose attention is accumulated per token."
-    )
+    stat_queries: int = Field(default=32, ge=1,
+                              description="Last queries of each chunk whose attention is accumulated per token.")
 
 
 class RecallConfig(_Strict):
@@ -104,9 +102,8 @@ class RecallConfig(_Strict):
         "together (None: only answer_budget_tokens bounds the recalled part). `Session.chat(budget_tokens=)` sets "
         "it per call.",
     )
-    contiguity_fraction: float = Field(
-        default=0.3, ge=0, le=1, description="Share of the budget given to temporal neighbours of the hits."
-    )
+    contiguity_fraction: float = Field(default=0.3, ge=0, le=1,
+                                       description="Share of the budget given to temporal neighbours of the hits.")
     max_neighbour_distance: int = Field(
         default=8, ge=0, description="Farthest temporal neighbour (event id +/- d) the contiguity stage adds."
     )
@@ -294,11 +291,14 @@ class IndexConfig(_Strict):
     ivf_nprobe: int = Field(default=32, ge=1, description="IVF lists scanned per search.")
     ivf_codec: Literal["sq8", "sq6", "sq4"] = Field(
         default="sq6",
-        description="Scalar quantisation of the IVF indexes (bits per dimension), fixed at the rebuild. Measured on "
-        "the default model's representatives (8k natural-text events; share of the exact top 10 a flat quantised "
-        "index keeps): layers sq8 / sq6 / sq4 0.91 / 0.90 / 0.81-0.85, key summaries 0.98 / 0.96 / 0.87; "
-        "sq6 takes three quarters of sq8's RAM.",
+        description="Bits per dimension of IVF entries (fixed at the rebuild) and of low-rank codes. Measured on the "
+        "default model's representatives (8k natural-text events; share of the exact top 10 a flat quantised index "
+        "keeps): layers sq8 / sq6 / sq4 0.91 / 0.90 / 0.81-0.85, key summaries 0.98 / 0.96 / 0.87.",
     )
+    rank: int | None = Field(default=None, ge=1, description="Low-rank entries (`storage.projection`): past "
+                             "`project_min_events`, projected on `rank` principal directions, no ids, no IVF.")
+    project_min_events: int = Field(default=2048, ge=16, description="Events at which the projections are fitted.")
+    rerank: int = Field(default=50, ge=1, description="Candidates a low-rank search scores again exactly.")
     device: Literal["auto", "cpu", "gpu"] = Field(
         default="auto",
         description="Where searches run: 'auto' mirrors the indexes onto GPU 0 when a GPU build of FAISS is "

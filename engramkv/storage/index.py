@@ -22,6 +22,9 @@ Beside them, one index over the events' key summaries (`memory.summary`): what q
 matched against (`retrieval.question`). It is derived from the stored keys, so a store without it
 gets it rebuilt on open.
 
+With `IndexConfig.rank`, past `project_min_events` the indexes hold low-rank codes (`storage.projection`): no
+ids, no IVF, searches re-scored exactly from `representatives_of` / `summary_of` (what `load` catches up from).
+
 With a GPU build of FAISS (`IndexConfig.device`), searches run on a GPU copy of each index that every
 add also updates; the CPU indexes stay the ones that are saved, rebuilt and caught up.
 """
@@ -42,6 +45,7 @@ import torch
 from engramkv.config import IndexConfig
 from engramkv.errors import ConfigError
 from engramkv.storage.durable import replace_durably, replace_durably_with
+from engramkv.storage.projection import Projection, codes_index, rescored
 
 
 def _gpu_resources(device: str) -> Any:
@@ -59,14 +63,21 @@ def _gpu_resources(device: str) -> Any:
 class LayerIndexes:
     """The per-layer indexes of one namespace, and the index of the events' key summaries."""
 
-    def __init__(self, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int]):
+    def __init__(self, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int],
+                 representatives_of: Callable[[int], np.ndarray] | None = None,
+                 summary_of: Callable[[int], np.ndarray] | None = None):
+        if cfg.rank is not None and cfg.rank >= dim:
+            raise ConfigError(f"index.rank {cfg.rank} must be below the representatives' width {dim}")
         self.num_layers, self.dim, self.cfg = num_layers, dim, cfg
+        self.representatives_of, self.summary_of = representatives_of, summary_of  # for re-scoring low-rank hits
         self.summary_layers = summary_layers
         self.summary_dim = len(summary_layers) * dim
         self.indexes: list[faiss.Index] = [_flat(dim) for _ in range(num_layers)]
         self.summary: faiss.Index = _flat(self.summary_dim)
-        self.kind: str = "flat"
+        self.kind: str = "flat"  # "ivf" or "projected" once rebuilt
         self.centres: np.ndarray | None = None  # (layers, dim) subtracted before adding to an IVF layer index
+        self.projection: Projection | None = None  # the layers' projections once "projected"
+        self.summary_projection: Projection | None = None  # the summaries' (one "layer")
         self.saved_events = 0  # events whose every index entry was read from disk by `load`
         self._gpu = _gpu_resources(cfg.device)
         self._mirrors: list[faiss.Index] = []  # GPU copies of [*indexes, summary], searched instead
@@ -77,6 +88,9 @@ class LayerIndexes:
 
     def add(self, event_id: int, representatives: np.ndarray, summary: np.ndarray) -> None:
         """representatives: (layers, dim) float32; summary: (summary_dim,) float32."""
+        if self.kind == "projected":
+            self._add_projected(event_id, representatives, summary)
+            return
         ids = np.array([event_id], dtype=np.int64)
         if self.centres is not None:
             representatives = representatives - self.centres
@@ -87,22 +101,51 @@ class LayerIndexes:
             for layer, mirror in enumerate(self._mirrors[:-1]):
                 mirror.add_with_ids(representatives[layer : layer + 1], ids)
             self._mirrors[-1].add_with_ids(summary.reshape(1, -1), ids)
-        if self.kind == "flat" and len(self) >= self.cfg.ivf_min_events:
+        if self.kind == "flat" and self.cfg.rank is not None and len(self) >= self.cfg.project_min_events:
+            self._to_projected()
+        elif self.kind == "flat" and self.cfg.rank is None and len(self) >= self.cfg.ivf_min_events:
             self._to_ivf()
+
+    def _add_projected(self, event_id: int, representatives: np.ndarray, summary: np.ndarray) -> None:
+        assert self.projection is not None and self.summary_projection is not None
+        if event_id != len(self):  # positions are the ids
+            raise ValueError(f"a low-rank index takes consecutive event ids: expected {len(self)}, got {event_id}")
+        for layer, index in enumerate(self.indexes):
+            index.add(self.projection.project(layer, representatives[layer : layer + 1]))
+        self.summary.add(self.summary_projection.project(0, summary.reshape(1, -1)))
 
     @property
     def on_gpu(self) -> bool:
         return bool(self._mirrors)
 
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        if self.kind == "projected":
+            exact_of = self.representatives_of
+            return self._search_projected(self.indexes[layer], self.projection, layer, query, k,
+                                          None if exact_of is None else lambda event_id: exact_of(event_id)[layer])
         return _search(self._mirrors[layer] if self._mirrors else self.indexes[layer], query, k)
 
     def search_summary(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+        if self.kind == "projected":
+            return self._search_projected(self.summary, self.summary_projection, 0, summary, k, self.summary_of)
         return _search(self._mirrors[-1] if self._mirrors else self.summary, summary, k)
 
+    def _search_projected(self, index: faiss.Index, projection: Projection | None, layer: int, query: torch.Tensor,
+                          k: int, exact_of: Callable[[int], np.ndarray] | None) -> tuple[list[int], list[float]]:
+        if projection is None or exact_of is None:
+            raise ConfigError("a low-rank index re-scores its hits from the events' stored vectors: build it with "
+                              "representatives_of and summary_of")
+        n = int(index.ntotal)
+        if n == 0 or k <= 0:
+            return [], []
+        q = query.detach().float().cpu().numpy().reshape(-1)  # (F,)
+        _, pool = index.search(projection.project_query(layer, q), min(max(k, self.cfg.rerank), n))
+        return rescored([int(i) for i in pool[0] if i >= 0], q, exact_of, k)
+
     def _mirror(self) -> None:
-        """(Re)build the GPU copies from the CPU indexes (after load or the IVF rebuild)."""
-        if self._gpu is not None:
+        """(Re)build the GPU copies from the CPU indexes (after load or the IVF rebuild; low-rank codes stay on
+        the CPU: FAISS's GPU indexes have no flat scalar quantiser)."""
+        if self._gpu is not None and self.kind != "projected":
             self._mirrors = [faiss.index_cpu_to_gpu(self._gpu, 0, index)
                              for index in [*self.indexes, self.summary]]
 
@@ -139,6 +182,30 @@ class LayerIndexes:
         self.kind = "ivf"
         self._mirror()
 
+    def _to_projected(self) -> None:
+        """Fit the projections on the events held and replace every flat index by low-rank codes, all at once:
+        an interruption leaves the flat indexes whole, and the next add fits again."""
+        layers = []
+        for index in self.indexes:
+            ids, vectors = _vectors(index)
+            if not np.array_equal(ids, np.arange(len(ids))):
+                raise ValueError("a low-rank index takes consecutive event ids from 0")
+            layers.append(vectors)
+        projection = Projection.fit(layers, self.cfg.rank or 0)
+        indexes = [codes_index(projection.project(layer, vectors), self.cfg.ivf_codec)
+                   for layer, vectors in enumerate(layers)]
+        del layers
+        summary, summary_projection = self._projected_summary(_vectors(self.summary)[1])
+        self.indexes, self.summary, self.kind = indexes, summary, "projected"
+        self.projection, self.summary_projection = projection, summary_projection
+        self._mirror()
+
+    def _projected_summary(self, summaries: np.ndarray) -> tuple[faiss.Index, Projection]:
+        """(codes index, projection) of the summaries (n, S), the projection fitted on them."""
+        rank = min((self.cfg.rank or 0) * len(self.summary_layers), self.summary_dim - 1)  # rank per summary layer
+        projection = Projection.fit([summaries], rank)
+        return codes_index(projection.project(0, summaries), self.cfg.ivf_codec), projection
+
     def _ivf(self, ids: np.ndarray, vectors: np.ndarray) -> faiss.Index:
         """An IVF index of `vectors` (n, F) under `ids` (n,)."""
         nlist = max(16, int(self.cfg.ivf_lists_per_sqrt * math.sqrt(len(ids))))
@@ -157,6 +224,11 @@ class LayerIndexes:
         directory.mkdir(parents=True, exist_ok=True)
         named = [(f"layer-{layer:03d}.faiss", index) for layer, index in enumerate(self.indexes)]
         checksums = {}
+        if self.projection is not None and self.summary_projection is not None:
+            for name, projection in [("projection.npz", self.projection),
+                                     ("summary_projection.npz", self.summary_projection)]:
+                replace_durably(directory / name, projection.to_bytes())
+                checksums[name] = _crc32(directory / name)
         for name, index in [*named, ("summary.faiss", self.summary)]:
             # Streamed to the file: serialising in memory held two copies of the index at every save.
             replace_durably_with(directory / name, _writer(index))
@@ -191,7 +263,7 @@ class LayerIndexes:
             return cls._load(directory, num_layers, dim, cfg, summary_layers, committed_events, representatives_of,
                              summary_of)
         except _Damaged:
-            loaded = cls(num_layers, dim, cfg, summary_layers)
+            loaded = cls(num_layers, dim, cfg, summary_layers, representatives_of, summary_of)
             for event_id in range(committed_events):
                 loaded.add(event_id, representatives_of(event_id), summary_of(event_id))
             return loaded
@@ -200,7 +272,7 @@ class LayerIndexes:
     def _load(cls, directory: Path, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int],
               committed_events: int, representatives_of: Callable[[int], np.ndarray],
               summary_of: Callable[[int], np.ndarray]) -> LayerIndexes:
-        loaded = cls(num_layers, dim, cfg, summary_layers)
+        loaded = cls(num_layers, dim, cfg, summary_layers, representatives_of, summary_of)
         manifest = directory / "manifest.json"
         start = 0
         if manifest.exists():
@@ -209,7 +281,7 @@ class LayerIndexes:
             except (UnicodeDecodeError, ValueError) as err:
                 raise _Damaged(f"{manifest}: {err}") from err
             if not isinstance(info, dict) or not isinstance(info.get("crc32", {}), dict) \
-                    or not isinstance(info.get("events"), int) or info.get("kind") not in ("flat", "ivf"):
+                    or not isinstance(info.get("events"), int) or info.get("kind") not in ("flat", "ivf", "projected"):
                 raise _Damaged(f"{manifest}: not an index manifest")
             stated = info.pop("manifest_crc32", None)  # absent in stores saved before it
             if stated is not None and stated != _manifest_crc(info):
@@ -222,9 +294,14 @@ class LayerIndexes:
                     loaded.indexes, loaded.kind, start = indexes, str(info["kind"]), int(info["events"])
                     if info.get("centres") is not None:  # absent: flat, or IVF built before centring
                         loaded.centres = np.asarray(info["centres"], dtype=np.float32)
+                    if loaded.kind == "projected":
+                        loaded.projection = _read_projection(directory / "projection.npz", info["crc32"])
                     summary_file = directory / "summary.faiss"
                     if info.get("summary_layers") == summary_layers and summary_file.exists():
                         loaded.summary = _read(summary_file, info.get("crc32", {}))
+                        if loaded.kind == "projected":
+                            loaded.summary_projection = _read_projection(directory / "summary_projection.npz",
+                                                                         info["crc32"])
                     if int(loaded.summary.ntotal) == start:
                         loaded.saved_events = start
                     else:  # missing, stale or torn: rebuild from the blobs
@@ -233,6 +310,9 @@ class LayerIndexes:
                             loaded.summary.add_with_ids(summary_of(event_id).reshape(1, -1), np.array([event_id]))
                         if loaded.kind == "ivf":
                             loaded.summary = loaded._ivf(*_vectors(loaded.summary))
+                        elif loaded.kind == "projected":
+                            loaded.summary, loaded.summary_projection = loaded._projected_summary(
+                                _vectors(loaded.summary)[1])
                     if loaded.kind == "ivf":
                         for index in [*loaded.indexes, loaded.summary]:
                             faiss.extract_index_ivf(index).nprobe = cfg.ivf_nprobe
@@ -244,6 +324,16 @@ class LayerIndexes:
 
 class _Damaged(Exception):
     """A saved index file that cannot be trusted: the indexes are rebuilt from the blobs."""
+
+
+def _read_projection(path: Path, checksums: dict[str, Any]) -> Projection:
+    expected = checksums.get(path.name)
+    try:
+        if expected is None or _crc32(path) != expected:
+            raise _Damaged(f"{path}: missing from the manifest or checksum mismatch")
+        return Projection.from_bytes(path.read_bytes())
+    except (OSError, ValueError, KeyError) as err:
+        raise _Damaged(f"{path}: {err}") from err
 
 
 def _manifest_crc(body: dict[str, Any]) -> int:
