@@ -145,9 +145,8 @@ class LayerIndexes:
     def _mirror(self) -> None:
         """(Re)build the GPU copies from the CPU indexes (after load or the IVF rebuild; low-rank codes stay on
         the CPU: FAISS's GPU indexes have no flat scalar quantiser)."""
-        if self._gpu is not None and self.kind != "projected":
-            self._mirrors = [faiss.index_cpu_to_gpu(self._gpu, 0, index)
-                             for index in [*self.indexes, self.summary]]
+        self._mirrors = [] if self._gpu is None or self.kind == "projected" else [
+            faiss.index_cpu_to_gpu(self._gpu, 0, index) for index in [*self.indexes, self.summary]]
 
     def _to_ivf(self) -> None:
         """Rebuild the flat indexes as IVF, one at a time, layer indexes over centred representatives.
