@@ -75,6 +75,15 @@ class BlobLayout:
                              offset=4 * n_tokens)  # (L * F,)
         return flat.reshape(self.num_layers, self.dim).astype(np.float32)
 
+    def representative_span(self, n_tokens: int, layer: int) -> tuple[int, int]:
+        """(offset, bytes) of one layer's representative in the blob of an event of `n_tokens`."""
+        size = np.dtype(self.codec.representative_dtype).itemsize * self.dim
+        return 4 * n_tokens + layer * size, size
+
+    def decode_representative(self, data: bytes | memoryview, offset: int = 0) -> np.ndarray:  # (F,) float32
+        return np.frombuffer(data, dtype=self.codec.representative_dtype, count=self.dim, offset=offset).astype(
+            np.float32)
+
     def layer_kv(self, blob: bytes | memoryview, n_tokens: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) of one layer, each float16 (Hkv, T, D)."""
         at = self._layer_start(n_tokens, layer)

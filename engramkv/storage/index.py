@@ -23,7 +23,7 @@ matched against (`retrieval.question`). It is derived from the stored keys, so a
 gets it rebuilt on open.
 
 With `IndexConfig.rank`, past `project_min_events` the indexes hold low-rank codes (`storage.projection`): no
-ids, no IVF, searches re-scored exactly from `representatives_of` / `summary_of` (what `load` catches up from).
+ids, no IVF, searches re-scored exactly (`layer_representative_of`, else `representatives_of`; `summary_of`).
 
 With a GPU build of FAISS (`IndexConfig.device`), searches run on a GPU copy of each index that every
 add also updates; the CPU indexes stay the ones that are saved, rebuilt and caught up.
@@ -45,7 +45,7 @@ import torch
 from engramkv.config import IndexConfig
 from engramkv.errors import ConfigError
 from engramkv.storage.durable import replace_durably, replace_durably_with
-from engramkv.storage.projection import Projection, codes_index, rescored
+from engramkv.storage.projection import Projection, fit_codes, search_codes
 
 
 def _gpu_resources(device: str) -> Any:
@@ -65,11 +65,14 @@ class LayerIndexes:
 
     def __init__(self, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int],
                  representatives_of: Callable[[int], np.ndarray] | None = None,
-                 summary_of: Callable[[int], np.ndarray] | None = None):
+                 summary_of: Callable[[int], np.ndarray] | None = None,
+                 layer_representative_of: Callable[[int, int], np.ndarray] | None = None):
         if cfg.rank is not None and cfg.rank >= dim:
             raise ConfigError(f"index.rank {cfg.rank} must be below the representatives' width {dim}")
         self.num_layers, self.dim, self.cfg = num_layers, dim, cfg
         self.representatives_of, self.summary_of = representatives_of, summary_of  # for re-scoring low-rank hits
+        self.layer_representative_of = layer_representative_of or (
+            None if representatives_of is None else lambda event_id, layer: representatives_of(event_id)[layer])
         self.summary_layers = summary_layers
         self.summary_dim = len(summary_layers) * dim
         self.indexes: list[faiss.Index] = [_flat(dim) for _ in range(num_layers)]
@@ -120,9 +123,9 @@ class LayerIndexes:
 
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         if self.kind == "projected":
-            exact_of = self.representatives_of
+            exact_of = self.layer_representative_of
             return self._search_projected(self.indexes[layer], self.projection, layer, query, k,
-                                          None if exact_of is None else lambda event_id: exact_of(event_id)[layer])
+                                          None if exact_of is None else lambda event_id: exact_of(event_id, layer))
         return _search(self._mirrors[layer] if self._mirrors else self.indexes[layer], query, k)
 
     def search_summary(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
@@ -135,12 +138,8 @@ class LayerIndexes:
         if projection is None or exact_of is None:
             raise ConfigError("a low-rank index re-scores its hits from the events' stored vectors: build it with "
                               "representatives_of and summary_of")
-        n = int(index.ntotal)
-        if n == 0 or k <= 0:
-            return [], []
         q = query.detach().float().cpu().numpy().reshape(-1)  # (F,)
-        _, pool = index.search(projection.project_query(layer, q), min(max(k, self.cfg.rerank), n))
-        return rescored([int(i) for i in pool[0] if i >= 0], q, exact_of, k)
+        return search_codes(index, projection, layer, q, k, max(k, self.cfg.rerank), exact_of)
 
     def _mirror(self) -> None:
         """(Re)build the GPU copies from the CPU indexes (after load or the IVF rebuild; low-rank codes stay on
@@ -190,9 +189,7 @@ class LayerIndexes:
             if not np.array_equal(ids, np.arange(len(ids))):
                 raise ValueError("a low-rank index takes consecutive event ids from 0")
             layers.append(vectors)
-        projection = Projection.fit(layers, self.cfg.rank or 0)
-        indexes = [codes_index(projection.project(layer, vectors), self.cfg.ivf_codec)
-                   for layer, vectors in enumerate(layers)]
+        indexes, projection = fit_codes(layers, self.cfg.rank or 0, self.cfg.ivf_codec)
         del layers
         summary, summary_projection = self._projected_summary(_vectors(self.summary)[1])
         self.indexes, self.summary, self.kind = indexes, summary, "projected"
@@ -202,8 +199,8 @@ class LayerIndexes:
     def _projected_summary(self, summaries: np.ndarray) -> tuple[faiss.Index, Projection]:
         """(codes index, projection) of the summaries (n, S), the projection fitted on them."""
         rank = min((self.cfg.rank or 0) * len(self.summary_layers), self.summary_dim - 1)  # rank per summary layer
-        projection = Projection.fit([summaries], rank)
-        return codes_index(projection.project(0, summaries), self.cfg.ivf_codec), projection
+        (summary,), projection = fit_codes([summaries], rank, self.cfg.ivf_codec)
+        return summary, projection
 
     def _ivf(self, ids: np.ndarray, vectors: np.ndarray) -> faiss.Index:
         """An IVF index of `vectors` (n, F) under `ids` (n,)."""
@@ -249,29 +246,33 @@ class LayerIndexes:
         committed_events: int,
         representatives_of: Callable[[int], np.ndarray],
         summary_of: Callable[[int], np.ndarray],
+        layer_representative_of: Callable[[int, int], np.ndarray] | None = None,
     ) -> LayerIndexes:
         """Open the saved indexes and bring them to exactly `committed_events` events.
 
-        representatives_of(event_id) -> (layers, dim) float32, read from the event's blob;
-        summary_of(event_id) -> (summary_dim,) float32, computed from the blob's keys. A store saved
+        representatives_of(event_id) -> (layers, dim) float32, read from the event's blob; summary_of(event_id)
+        -> (summary_dim,) float32, computed from its keys; layer_representative_of(event_id, layer) -> (dim,)
+        float32, for re-scoring low-rank searches (default: from representatives_of). A store saved
         with other summary layers (or before summaries existed) gets its summary index rebuilt. The indexes
         are derived data: a damaged file (unreadable, or not the checksum its manifest records) is rebuilt
         from the blobs, which carry checksums of their own.
         """
-        try:
-            return cls._load(directory, num_layers, dim, cfg, summary_layers, committed_events, representatives_of,
-                             summary_of)
-        except _Damaged:
-            loaded = cls(num_layers, dim, cfg, summary_layers, representatives_of, summary_of)
-            for event_id in range(committed_events):
-                loaded.add(event_id, representatives_of(event_id), summary_of(event_id))
-            return loaded
+        def empty() -> LayerIndexes:
+            return cls(num_layers, dim, cfg, summary_layers, representatives_of, summary_of, layer_representative_of)
 
-    @classmethod
-    def _load(cls, directory: Path, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int],
-              committed_events: int, representatives_of: Callable[[int], np.ndarray],
-              summary_of: Callable[[int], np.ndarray]) -> LayerIndexes:
-        loaded = cls(num_layers, dim, cfg, summary_layers, representatives_of, summary_of)
+        try:
+            loaded, start = LayerIndexes._load(directory, empty(), committed_events, summary_of)
+        except _Damaged:
+            loaded, start = empty(), 0
+        for event_id in range(start, committed_events):  # catch up from the blobs
+            loaded.add(event_id, representatives_of(event_id), summary_of(event_id))
+        return loaded
+
+    @staticmethod
+    def _load(directory: Path, loaded: LayerIndexes, committed_events: int,
+              summary_of: Callable[[int], np.ndarray]) -> tuple[LayerIndexes, int]:
+        """(`loaded`, new and empty, filled from the saved files; the events they held)."""
+        cfg, summary_layers, num_layers = loaded.cfg, loaded.summary_layers, loaded.num_layers
         manifest = directory / "manifest.json"
         start = 0
         if manifest.exists():
@@ -316,9 +317,7 @@ class LayerIndexes:
                         for index in [*loaded.indexes, loaded.summary]:
                             faiss.extract_index_ivf(index).nprobe = cfg.ivf_nprobe
                     loaded._mirror()
-        for event_id in range(start, committed_events):  # catch up from the blobs
-            loaded.add(event_id, representatives_of(event_id), summary_of(event_id))
-        return loaded
+        return loaded, start
 
 
 class _Damaged(Exception):

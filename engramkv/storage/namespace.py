@@ -21,7 +21,6 @@ import datetime as dt
 import errno
 import io
 import zlib
-from array import array
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +34,7 @@ from engramkv.memory.events import DocumentProgress, Event, TierBytes
 from engramkv.memory.summary import key_summary
 from engramkv.storage import catalog as cat
 from engramkv.storage.blob import BlobLayout
+from engramkv.storage.columns import EventColumns
 from engramkv.storage.durable import replace_durably
 from engramkv.storage.heap import release_free_heap
 from engramkv.storage.index import LayerIndexes
@@ -43,44 +43,6 @@ from engramkv.storage.tiers import LRUBytes
 
 if TYPE_CHECKING:
     from engramkv.storage.store import EventStore
-
-
-class _Columns:
-    """Per-event columns in compact arrays: 10M tokens are ~200k events, too many for objects."""
-
-    def __init__(self) -> None:
-        self.start, self.end = array("q"), array("q")
-        self.segment, self.offset, self.length, self.crc = array("q"), array("q"), array("q"), array("q")
-        self.surprise = array("d")  # mean, max interleaved
-
-    def __len__(self) -> int:
-        return len(self.start)
-
-    def append(self, event: Event, ref: BlobRef) -> None:
-        self.start.append(event.start)
-        self.end.append(event.end)
-        self.segment.append(ref.segment)
-        self.offset.append(ref.offset)
-        self.length.append(ref.length)
-        self.crc.append(ref.checksum)
-        self.surprise.extend((event.surprise_mean, event.surprise_max))
-
-    def event(self, i: int) -> Event:
-        return Event(id=i, start=self.start[i], end=self.end[i],
-                     surprise_mean=self.surprise[2 * i], surprise_max=self.surprise[2 * i + 1])
-
-    def ref(self, i: int) -> BlobRef:
-        return BlobRef(self.segment[i], self.offset[i], self.length[i], self.crc[i])
-
-    def n_tokens(self, i: int) -> int:
-        return self.end[i] - self.start[i]
-
-    def segment_ends(self) -> dict[int, int]:
-        """Where each segment's last blob ends: what recovery keeps."""
-        ends: dict[int, int] = {}
-        for segment, offset, length in zip(self.segment, self.offset, self.length):
-            ends[segment] = max(ends.get(segment, 0), offset + length)
-        return ends
 
 
 class NamespaceMemory:
@@ -94,10 +56,10 @@ class NamespaceMemory:
         spec, cfg = store.spec, store.cfg
         self.store, self.ns_id, self.cfg = store, ns_id, cfg
         self.codec = store.codec  # the catalog's name of it (validated when the store was opened)
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.summary_layers = device, dtype, summary_layers
         self.layout = BlobLayout(store.kv_codec, spec.num_layers, spec.num_kv_heads, spec.head_dim)
         self.dir = store.namespace_dir(ns_id)
-        self.writable = not store.read_only
+        self.writable, self.read_ahead = not store.read_only, cfg.read_ahead
         self.broken: str | None = None  # set when a write failed half-way: reopen to recover
         self._closed = False
         self._document: DocumentProgress | None = None  # of the last commit: events sealed since belong to it
@@ -109,7 +71,7 @@ class NamespaceMemory:
         self.location, self.namespace = str(store.path), "/".join(state.names)  # what `EventMemory` reports
         self.committed_tokens, self.checkpoint_name, self.checkpoint_crc = (
             state.n_tokens, state.checkpoint, state.checkpoint_crc)
-        self._columns = _Columns()
+        self._columns = EventColumns()
         for expected, stored in enumerate(cat.load_events(store.db, ns_id)):
             if stored.event.id != expected:
                 raise StoreCorruptError(f"namespace {self.namespace}: event {expected} missing from the catalog")
@@ -125,15 +87,13 @@ class NamespaceMemory:
         self.hot: LRUBytes[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = LRUBytes(
             cfg.hot_bytes, lambda kv: kv[0].nbytes + kv[1].nbytes)
         self.warm: LRUBytes[int, bytes] = LRUBytes(cfg.warm_bytes, len)
-        self.summary_layers = summary_layers
         self.indexes = LayerIndexes.load(self.dir / "index", spec.num_layers, self.layout.dim, cfg.index,
                                          summary_layers, self.committed_events, self.representatives,
-                                         self._key_summary)
+                                         self._key_summary, self.layer_representative)
         self._index_saved_at = self.indexes.saved_events  # what was caught up or rebuilt gets saved at a commit
         prefetch = cfg.prefetch == "on" or (cfg.prefetch == "auto" and device.type == "cuda")
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="engramkv-prefetch") if prefetch else None
         self._prefetching: Future[None] | None = None
-        self.read_ahead = cfg.read_ahead
 
     def _recover(self) -> None:
         """Cut what the last committed transaction does not point at: blob tails, newer checkpoints."""
@@ -183,6 +143,15 @@ class NamespaceMemory:
         """The event's per-layer representatives, as its layer indexes hold them (before any centring)."""
         return self.layout.representatives(self._blob(event_id), self._columns.n_tokens(event_id))
 
+    def layer_representative(self, event_id: int, layer: int) -> np.ndarray:  # (F,) float32
+        """One layer's representative, to re-score a low-rank search: read alone and unchecked (the checksum covers
+        the whole blob): a damaged one can only mis-rank, and the KV an answer gathers is checked."""
+        at, size = self.layout.representative_span(self._columns.n_tokens(event_id), layer)
+        blob = self.warm.get(event_id) or self._overlay.get(event_id)
+        if blob is None:
+            blob, at = self._cold_part(event_id, at, size), 0
+        return self.layout.decode_representative(blob, at)
+
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         return self.indexes.search(layer, query, k)
 
@@ -204,8 +173,7 @@ class NamespaceMemory:
         return torch.cat([k for k, _ in blocks], dim=1), torch.cat([v for _, v in blocks], dim=1)  # (Hkv, M, D)
 
     def drop_caches(self) -> None:
-        """Empty the hot and warm tiers: the next reads come from the cold tier (events of a read-only
-        namespace that never reached the disk stay readable)."""
+        """Empty the hot and warm tiers: the next reads come from disk (or a read-only namespace's overlay)."""
         self._await_prefetch()
         self.hot.clear()
         self.warm.clear()
@@ -251,22 +219,23 @@ class NamespaceMemory:
 
     def _blob(self, event_id: int) -> bytes:
         """The event's whole blob: warm tier, else read (and checksum) from the cold tier."""
-        blob = self.warm.get(event_id)
+        blob = self.warm.get(event_id) or self._overlay.get(event_id)
         if blob is not None:
             return blob
-        if event_id in self._overlay:
-            return self._overlay[event_id]
-        if self._closed:
-            raise StoreError(f"namespace {self.namespace} is closed")
-        ref = self.blob_ref(event_id)
-        try:
-            blob = self.segments.read_copy(ref)  # a copy: the warm tier must not pin the map (recovery truncates)
-        except SegmentError as err:
-            raise StoreCorruptError(f"event {event_id} of {self.namespace}: {err}") from err
-        if zlib.crc32(blob) != ref.checksum:
+        blob = self._cold_part(event_id)  # a copy: the warm tier must not pin the map (recovery truncates)
+        if zlib.crc32(blob) != self.blob_ref(event_id).checksum:
             raise StoreCorruptError(f"event {event_id} of {self.namespace}: checksum mismatch on disk")
         self.warm.put(event_id, blob)
         return blob
+
+    def _cold_part(self, event_id: int, start: int = 0, size: int | None = None) -> bytes:
+        """Bytes [start, start + size) of the event's blob (default: all of it), read from its segment."""
+        if self._closed:
+            raise StoreError(f"namespace {self.namespace} is closed")
+        try:
+            return self.segments.read_copy(self.blob_ref(event_id), start, size)
+        except SegmentError as err:
+            raise StoreCorruptError(f"event {event_id} of {self.namespace}: {err}") from err
 
     def _key_summary(self, event_id: int) -> np.ndarray:  # (S,) from the stored keys
         keys = torch.stack([self._decode(event_id, layer)[0] for layer in self.summary_layers])  # (S, Hkv, n, D)
@@ -317,9 +286,8 @@ class NamespaceMemory:
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The stream state of the last commit, or None for a namespace never committed."""
-        if self.checkpoint_name is None:
-            return None
-        return _read_checkpoint(self.dir / self.checkpoint_name, self.checkpoint_crc)
+        name = self.checkpoint_name
+        return None if name is None else _read_checkpoint(self.dir / name, self.checkpoint_crc)
 
     def last_document(self) -> DocumentProgress | None:
         """The namespace's most recent document (the only one an interrupted ingest can resume)."""

@@ -77,6 +77,13 @@ class Projection:
         return cls(means.astype(np.float32), bases.astype(np.float32))
 
 
+def fit_codes(vectors: Sequence[np.ndarray], rank: int, codec: str) -> tuple[list[faiss.Index], Projection]:
+    """(one codes index per layer, the projection): `vectors` (n, F) per layer, projected on their own top
+    `rank` principal directions, then scalar-quantised with `codec` (positions are the ids)."""
+    projection = Projection.fit(vectors, rank)
+    return [codes_index(projection.project(layer, v), codec) for layer, v in enumerate(vectors)], projection
+
+
 def codes_index(codes: np.ndarray, codec: str) -> faiss.Index:
     """An index of `codes` (n, R), scalar-quantised with `codec` trained on them; positions are the ids."""
     index = faiss.IndexScalarQuantizer(codes.shape[1], CODECS[codec], faiss.METRIC_INNER_PRODUCT)
@@ -88,12 +95,15 @@ def codes_index(codes: np.ndarray, codec: str) -> faiss.Index:
     return index
 
 
-def rescored(candidates: Sequence[int], query: np.ndarray, exact_of: Callable[[int], np.ndarray],
-             k: int) -> tuple[list[int], list[float]]:
-    """The best `k` of `candidates` by the exact inner product of `query` (F,) with exact_of(id) (F,)."""
-    if not candidates:
+def search_codes(index: faiss.Index, projection: Projection, layer: int, query: np.ndarray, k: int, pool: int,
+                 exact_of: Callable[[int], np.ndarray]) -> tuple[list[int], list[float]]:
+    """The best `k` events for `query` (F,): the `pool` best by their codes, re-scored by exact_of(id) (F,)."""
+    n = int(index.ntotal)
+    if n == 0 or k <= 0:
         return [], []
+    _, candidates = index.search(projection.project_query(layer, query), min(pool, n))  # (1, pool)
+    candidates = [int(i) for i in candidates[0] if i >= 0]
     exact = np.stack([exact_of(event_id) for event_id in candidates])  # (c, F)
     scores = exact @ query  # (c,)
     order = np.argsort(-scores, kind="stable")[:k]
-    return [int(candidates[i]) for i in order], [float(scores[i]) for i in order]
+    return [candidates[i] for i in order], [float(scores[i]) for i in order]

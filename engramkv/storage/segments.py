@@ -130,8 +130,9 @@ class SegmentLog:
             raise ChecksumMismatch(f"checksum mismatch for {ref}")
         return view
 
-    def read_copy(self, ref: BlobRef) -> bytes:
-        """A copy of a payload; the mapped pages it touched leave this process's resident set.
+    def read_copy(self, ref: BlobRef, start: int = 0, length: int | None = None) -> bytes:
+        """A copy of a payload (or of its bytes [start, start + length)); the mapped pages it touched leave this
+        process's resident set.
 
         Pages read through a map count in the reader's RSS until the kernel reclaims them, so a
         process recalling across a 10M-token store would look as large as the part of the store it
@@ -139,18 +140,22 @@ class SegmentLog:
         entries: the data stays in the kernel's page cache for the next read, and a view still held
         elsewhere faults its page back in.
         """
+        length = ref.length - start if length is None else length
+        if not 0 <= start <= start + length <= ref.length:
+            raise SegmentError(f"bytes [{start}, {start + length}) are outside {ref}")
         view = self.read(ref)
         try:
-            data = bytes(view)
+            data = bytes(view[start : start + length])
         finally:
             view.release()
         mm = self._maps[ref.segment]
-        if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED") and ref.length > 0:
+        if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED") and length > 0:
             # A fault maps the pages around it too (Linux "fault-around", 64 KiB by default): dropping only
             # the blob's own pages left about half of a store of small blobs resident (measured).
-            start = max(0, ref.offset - _FAULT_AROUND) // _FAULT_AROUND * _FAULT_AROUND
-            end = min(len(mm), (ref.offset + ref.length) // _FAULT_AROUND * _FAULT_AROUND + 2 * _FAULT_AROUND)
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+            first, last = ref.offset + start, ref.offset + start + length
+            begin = max(0, first - _FAULT_AROUND) // _FAULT_AROUND * _FAULT_AROUND
+            end = min(len(mm), last // _FAULT_AROUND * _FAULT_AROUND + 2 * _FAULT_AROUND)
+            mm.madvise(mmap.MADV_DONTNEED, begin, end - begin)
         return data
 
     def will_need(self, refs: Iterable[BlobRef]) -> None:
