@@ -122,10 +122,9 @@ def test_a_store_with_low_rank_indexes_recalls_what_its_representatives_rank_fir
         check(memory)
         memory.commit({"engine": {"n_tokens": 200}})
         memory.drop_caches()  # one layer's representative read alone from the segment, as from the warm tier
-        for event_id in (0, 17, 39):
-            for layer in range(SPEC.num_layers):
-                np.testing.assert_array_equal(memory.layer_representative(event_id, layer),
-                                              memory.representatives(event_id)[layer])
+        for layer in range(SPEC.num_layers):
+            np.testing.assert_array_equal(memory.layer_representatives([0, 17, 39], layer),
+                                          np.stack([memory.representatives(e)[layer] for e in (0, 17, 39)]))
     with open_store(tmp_path, index=cfg) as store:
         memory = open_namespace(store)
         assert memory.indexes.kind == "projected" and memory.indexes.saved_events == 40

@@ -19,6 +19,7 @@ a layer's offset is known from the sizes alone, so one layer is read without dec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -77,12 +78,17 @@ class BlobLayout:
 
     def representative_span(self, n_tokens: int, layer: int) -> tuple[int, int]:
         """(offset, bytes) of one layer's representative in the blob of an event of `n_tokens`."""
-        size = np.dtype(self.codec.representative_dtype).itemsize * self.dim
+        size = self._representative_bytes
         return 4 * n_tokens + layer * size, size
 
-    def decode_representative(self, data: bytes | memoryview, offset: int = 0) -> np.ndarray:  # (F,) float32
-        return np.frombuffer(data, dtype=self.codec.representative_dtype, count=self.dim, offset=offset).astype(
-            np.float32)
+    @cached_property
+    def _representative_bytes(self) -> int:  # asked once per re-scored candidate: not worked out each time
+        return np.dtype(self.codec.representative_dtype).itemsize * self.dim
+
+    def decode_representatives(self, data: bytes, count: int) -> np.ndarray:  # (count, F) float32
+        """`count` representatives of one layer, back to back."""
+        flat = np.frombuffer(data, dtype=self.codec.representative_dtype, count=count * self.dim)
+        return flat.reshape(count, self.dim).astype(np.float32)
 
     def layer_kv(self, blob: bytes | memoryview, n_tokens: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) of one layer, each float16 (Hkv, T, D)."""

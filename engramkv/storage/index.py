@@ -23,7 +23,7 @@ matched against (`retrieval.question`). It is derived from the stored keys, so a
 gets it rebuilt on open.
 
 With `IndexConfig.rank`, past `project_min_events` the indexes hold low-rank codes (`storage.projection`): no
-ids, no IVF, searches re-scored exactly (`layer_representative_of`, else `representatives_of`; `summary_of`).
+ids, no IVF, searches re-scored exactly (`layer_representatives_of`, else `representatives_of`; `summary_of`).
 
 With a GPU build of FAISS (`IndexConfig.device`), searches run on a GPU copy of each index that every
 add also updates; the CPU indexes stay the ones that are saved, rebuilt and caught up.
@@ -66,13 +66,13 @@ class LayerIndexes:
     def __init__(self, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int],
                  representatives_of: Callable[[int], np.ndarray] | None = None,
                  summary_of: Callable[[int], np.ndarray] | None = None,
-                 layer_representative_of: Callable[[int, int], np.ndarray] | None = None):
+                 layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None):
         if cfg.rank is not None and cfg.rank >= dim:
             raise ConfigError(f"index.rank {cfg.rank} must be below the representatives' width {dim}")
         self.num_layers, self.dim, self.cfg = num_layers, dim, cfg
         self.representatives_of, self.summary_of = representatives_of, summary_of  # for re-scoring low-rank hits
-        self.layer_representative_of = layer_representative_of or (
-            None if representatives_of is None else lambda event_id, layer: representatives_of(event_id)[layer])
+        self.layer_representatives_of = layer_representatives_of or (None if representatives_of is None else (
+            lambda ids, layer: np.stack([representatives_of(event_id)[layer] for event_id in ids])))
         self.summary_layers = summary_layers
         self.summary_dim = len(summary_layers) * dim
         self.indexes: list[faiss.Index] = [_flat(dim) for _ in range(num_layers)]
@@ -123,18 +123,20 @@ class LayerIndexes:
 
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         if self.kind == "projected":
-            exact_of = self.layer_representative_of
+            exact_of = self.layer_representatives_of
             return self._search_projected(self.indexes[layer], self.projection, layer, query, k,
-                                          None if exact_of is None else lambda event_id: exact_of(event_id, layer))
+                                          None if exact_of is None else lambda ids: exact_of(ids, layer))
         return _search(self._mirrors[layer] if self._mirrors else self.indexes[layer], query, k)
 
     def search_summary(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         if self.kind == "projected":
-            return self._search_projected(self.summary, self.summary_projection, 0, summary, k, self.summary_of)
+            of = self.summary_of
+            return self._search_projected(self.summary, self.summary_projection, 0, summary, k,
+                                          None if of is None else lambda ids: np.stack([of(i) for i in ids]))
         return _search(self._mirrors[-1] if self._mirrors else self.summary, summary, k)
 
     def _search_projected(self, index: faiss.Index, projection: Projection | None, layer: int, query: torch.Tensor,
-                          k: int, exact_of: Callable[[int], np.ndarray] | None) -> tuple[list[int], list[float]]:
+                          k: int, exact_of: Callable[[list[int]], np.ndarray] | None) -> tuple[list[int], list[float]]:
         if projection is None or exact_of is None:
             raise ConfigError("a low-rank index re-scores its hits from the events' stored vectors: build it with "
                               "representatives_of and summary_of")
@@ -246,19 +248,19 @@ class LayerIndexes:
         committed_events: int,
         representatives_of: Callable[[int], np.ndarray],
         summary_of: Callable[[int], np.ndarray],
-        layer_representative_of: Callable[[int, int], np.ndarray] | None = None,
+        layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None,
     ) -> LayerIndexes:
         """Open the saved indexes and bring them to exactly `committed_events` events.
 
         representatives_of(event_id) -> (layers, dim) float32, read from the event's blob; summary_of(event_id)
-        -> (summary_dim,) float32, computed from its keys; layer_representative_of(event_id, layer) -> (dim,)
-        float32, for re-scoring low-rank searches (default: from representatives_of). A store saved
+        -> (summary_dim,) float32, computed from its keys; layer_representatives_of(ids, layer) -> (len(ids),
+        dim) float32, for re-scoring low-rank searches (default: from representatives_of). A store saved
         with other summary layers (or before summaries existed) gets its summary index rebuilt. The indexes
         are derived data: a damaged file (unreadable, or not the checksum its manifest records) is rebuilt
         from the blobs, which carry checksums of their own.
         """
         def empty() -> LayerIndexes:
-            return cls(num_layers, dim, cfg, summary_layers, representatives_of, summary_of, layer_representative_of)
+            return cls(num_layers, dim, cfg, summary_layers, representatives_of, summary_of, layer_representatives_of)
 
         try:
             loaded, start = LayerIndexes._load(directory, empty(), committed_events, summary_of)

@@ -89,7 +89,7 @@ class NamespaceMemory:
         self.warm: LRUBytes[int, bytes] = LRUBytes(cfg.warm_bytes, len)
         self.indexes = LayerIndexes.load(self.dir / "index", spec.num_layers, self.layout.dim, cfg.index,
                                          summary_layers, self.committed_events, self.representatives,
-                                         self._key_summary, self.layer_representative)
+                                         self._key_summary, self.layer_representatives)
         self._index_saved_at = self.indexes.saved_events  # what was caught up or rebuilt gets saved at a commit
         prefetch = cfg.prefetch == "on" or (cfg.prefetch == "auto" and device.type == "cuda")
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="engramkv-prefetch") if prefetch else None
@@ -143,14 +143,15 @@ class NamespaceMemory:
         """The event's per-layer representatives, as its layer indexes hold them (before any centring)."""
         return self.layout.representatives(self._blob(event_id), self._columns.n_tokens(event_id))
 
-    def layer_representative(self, event_id: int, layer: int) -> np.ndarray:  # (F,) float32
-        """One layer's representative, to re-score a low-rank search: read alone and unchecked (the checksum covers
+    def layer_representatives(self, event_ids: Sequence[int], layer: int) -> np.ndarray:  # (c, F) float32
+        """One layer's representatives, to re-score a low-rank search: read alone, so unchecked (the checksum covers
         the whole blob): a damaged one can only mis-rank, and the KV an answer gathers is checked."""
-        at, size = self.layout.representative_span(self._columns.n_tokens(event_id), layer)
-        blob = self.warm.get(event_id) or self._overlay.get(event_id)
-        if blob is None:
-            blob, at = self._cold_part(event_id, at, size), 0
-        return self.layout.decode_representative(blob, at)
+        rows: list[bytes] = []
+        for event_id in event_ids:
+            at, size = self.layout.representative_span(self._columns.n_tokens(event_id), layer)
+            blob = self.warm.get(event_id) or self._overlay.get(event_id)
+            rows.append(blob[at : at + size] if blob is not None else self._cold_part(event_id, at, size))
+        return self.layout.decode_representatives(b"".join(rows), len(rows))
 
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         return self.indexes.search(layer, query, k)
@@ -298,8 +299,7 @@ class NamespaceMemory:
 
     def event_details(self, event_ids: Sequence[int]) -> dict[int, tuple[str | None, dt.datetime | None]]:
         """(document name, time committed) of committed events; uncommitted ones get the current document."""
-        details: dict[int, tuple[str | None, dt.datetime | None]] = dict(
-            cat.event_details(self.store.db, self.ns_id, event_ids))
+        details = dict(cat.event_details(self.store.db, self.ns_id, event_ids))
         current = self._document.name if self._document is not None else None
         for event_id in event_ids:
             details.setdefault(event_id, (current, None))

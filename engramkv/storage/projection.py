@@ -14,7 +14,8 @@ q . r, from the events' own stored representatives (`representatives_of`), keepi
 
 Why re-score: on the embedded model's own recall searches the projection alone keeps 0.58 of the exact top 10
 at R = 24, while the exact top 10 lies in its top 50 0.95 of the time
-(`benchmarks/results/index_projection/`). The key summaries are handled the same way, as one "layer" of rank `rank` per summary layer.
+(`benchmarks/results/index_projection/`). The key summaries are handled the same way, as one "layer" of
+rank `rank` per summary layer.
 """
 
 from __future__ import annotations
@@ -96,14 +97,14 @@ def codes_index(codes: np.ndarray, codec: str) -> faiss.Index:
 
 
 def search_codes(index: faiss.Index, projection: Projection, layer: int, query: np.ndarray, k: int, pool: int,
-                 exact_of: Callable[[int], np.ndarray]) -> tuple[list[int], list[float]]:
-    """The best `k` events for `query` (F,): the `pool` best by their codes, re-scored by exact_of(id) (F,)."""
+                 exact_of: Callable[[list[int]], np.ndarray]) -> tuple[list[int], list[float]]:
+    """The best `k` events for `query` (F,): the `pool` best by their codes, re-scored by exact_of(ids) (c, F)."""
     n = int(index.ntotal)
     if n == 0 or k <= 0:
         return [], []
     _, candidates = index.search(projection.project_query(layer, query), min(pool, n))  # (1, pool)
     candidates = [int(i) for i in candidates[0] if i >= 0]
-    exact = np.stack([exact_of(event_id) for event_id in candidates])  # (c, F)
+    exact = exact_of(candidates)  # (c, F)
     scores = exact @ query  # (c,)
     order = np.argsort(-scores, kind="stable")[:k]
     return [candidates[i] for i in order], [float(scores[i]) for i in order]
