@@ -130,3 +130,15 @@ def test_a_store_with_low_rank_indexes_recalls_what_its_representatives_rank_fir
         assert memory.indexes.kind == "projected" and memory.indexes.saved_events == 40
         add_events(memory, 10, seed=1)
         check(memory)
+
+
+def test_a_flat_index_opened_with_a_rank_is_projected_on_open_and_searches_as_before(tmp_path):
+    vectors = _low_rank(100)
+    flat = _filled(vectors, IndexConfig())
+    flat.save(tmp_path)
+    loaded = LayerIndexes.load(tmp_path, LAYERS, DIM, CFG, SUMMARY_LAYERS, 100, lambda e: vectors[e],
+                               lambda e: _summary(vectors[e]))
+    assert flat.kind == "flat" and loaded.kind == "projected"
+    query = torch.from_numpy(np.random.default_rng(4).standard_normal(DIM).astype(np.float32))
+    for layer in range(LAYERS):
+        assert loaded.search(layer, query, k=5)[0] == flat.search(layer, query, k=5)[0]

@@ -238,19 +238,12 @@ class LayerIndexes:
                         json.dumps({**body, "manifest_crc32": _manifest_crc(body)}).encode())
 
     @classmethod
-    def load(
-        cls,
-        directory: Path,
-        num_layers: int,
-        dim: int,
-        cfg: IndexConfig,
-        summary_layers: list[int],
-        committed_events: int,
-        representatives_of: Callable[[int], np.ndarray],
-        summary_of: Callable[[int], np.ndarray],
-        layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None,
-    ) -> LayerIndexes:
-        """Open the saved indexes and bring them to exactly `committed_events` events.
+    def load(cls, directory: Path, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int],
+             committed_events: int, representatives_of: Callable[[int], np.ndarray],
+             summary_of: Callable[[int], np.ndarray],
+             layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None) -> LayerIndexes:
+        """Open the saved indexes and bring them to exactly `committed_events` events (a flat store opened with
+        `rank` is projected now, past `project_min_events`).
 
         representatives_of(event_id) -> (layers, dim) float32, read from the event's blob; summary_of(event_id)
         -> (summary_dim,) float32, computed from its keys; layer_representatives_of(ids, layer) -> (len(ids),
@@ -268,6 +261,8 @@ class LayerIndexes:
             loaded, start = empty(), 0
         for event_id in range(start, committed_events):  # catch up from the blobs
             loaded.add(event_id, representatives_of(event_id), summary_of(event_id))
+        if loaded.kind == "flat" and cfg.rank is not None and len(loaded) >= cfg.project_min_events:
+            loaded._to_projected()
         return loaded
 
     @staticmethod
