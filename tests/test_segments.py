@@ -239,9 +239,11 @@ def test_read_copy_returns_the_payload_and_gives_the_pages_back(tmp_path: Path) 
             assert log.read_copy(ref) == blob(i, 20_000)
         assert bytes(held) == blob(3, 20_000)
         del held
-        assert log.read_copy(refs[2], 100, 5_000) == blob(2, 20_000)[100:5_100]  # a part alone
+        assert log.read_part(refs[2], 100, 5_000) == blob(2, 20_000)[100:5_100]  # a part alone, not mapped
         with pytest.raises(SegmentError, match="outside"):
-            log.read_copy(refs[2], 19_000, 2_000)
+            log.read_part(refs[2], 19_000, 2_000)
+    with pytest.raises(SegmentError, match="closed"):
+        log.read_part(refs[2], 0, 10)
 
 
 def _mapped_rss_kb(directory: Path) -> int:

@@ -229,12 +229,12 @@ class NamespaceMemory:
         self.warm.put(event_id, blob)
         return blob
 
-    def _cold_part(self, event_id: int, start: int = 0, size: int | None = None) -> bytes:
-        """Bytes [start, start + size) of the event's blob (default: all of it), read from its segment."""
+    def _cold_part(self, event_id: int, start: int = 0, size: int | None = None) -> bytes:  # [start, start + size)
         if self._closed:
             raise StoreError(f"namespace {self.namespace} is closed")
+        ref = self.blob_ref(event_id)
         try:
-            return self.segments.read_copy(self.blob_ref(event_id), start, size)
+            return self.segments.read_copy(ref) if size is None else self.segments.read_part(ref, start, size)
         except SegmentError as err:
             raise StoreCorruptError(f"event {event_id} of {self.namespace}: {err}") from err
 

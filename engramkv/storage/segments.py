@@ -78,6 +78,7 @@ class SegmentLog:
             raise ValueError(f"max_segment_bytes must exceed {HEADER_SIZE + _RECORD.size}")
         self.directory, self.max_segment_bytes, self.writable = Path(directory), max_segment_bytes, writable
         self._maps: dict[int, mmap.mmap] = {}
+        self._read_fds: dict[int, int] = {}  # segment -> fd for `read_part`
         self._stale: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()  # superseded maps kept alive by views
         self._fd: int | None = None  # file being appended to; opened on first append so recovery can run first
         self._segment = self._size = 0
@@ -130,9 +131,8 @@ class SegmentLog:
             raise ChecksumMismatch(f"checksum mismatch for {ref}")
         return view
 
-    def read_copy(self, ref: BlobRef, start: int = 0, length: int | None = None) -> bytes:
-        """A copy of a payload (or of its bytes [start, start + length)); the mapped pages it touched leave this
-        process's resident set.
+    def read_copy(self, ref: BlobRef) -> bytes:
+        """A copy of a payload; the mapped pages it touched leave this process's resident set.
 
         Pages read through a map count in the reader's RSS until the kernel reclaims them, so a
         process recalling across a 10M-token store would look as large as the part of the store it
@@ -140,22 +140,35 @@ class SegmentLog:
         entries: the data stays in the kernel's page cache for the next read, and a view still held
         elsewhere faults its page back in.
         """
-        length = ref.length - start if length is None else length
-        if not 0 <= start <= start + length <= ref.length:
-            raise SegmentError(f"bytes [{start}, {start + length}) are outside {ref}")
         view = self.read(ref)
         try:
-            data = bytes(view[start : start + length])
+            data = bytes(view)
         finally:
             view.release()
         mm = self._maps[ref.segment]
-        if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED") and length > 0:
+        if hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED") and ref.length > 0:
             # A fault maps the pages around it too (Linux "fault-around", 64 KiB by default): dropping only
             # the blob's own pages left about half of a store of small blobs resident (measured).
-            first, last = ref.offset + start, ref.offset + start + length
-            begin = max(0, first - _FAULT_AROUND) // _FAULT_AROUND * _FAULT_AROUND
-            end = min(len(mm), last // _FAULT_AROUND * _FAULT_AROUND + 2 * _FAULT_AROUND)
-            mm.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+            start = max(0, ref.offset - _FAULT_AROUND) // _FAULT_AROUND * _FAULT_AROUND
+            end = min(len(mm), (ref.offset + ref.length) // _FAULT_AROUND * _FAULT_AROUND + 2 * _FAULT_AROUND)
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        return data
+
+    def read_part(self, ref: BlobRef, start: int, length: int) -> bytes:
+        """Bytes [start, start + length) of a payload, read with pread: many small reads (a few hundred bytes
+        each) cost a map's page faults and a madvise each through `read_copy`, and nothing is mapped here."""
+        self._check()
+        if not 0 <= start <= start + length <= ref.length or ref.offset < HEADER_SIZE + _RECORD.size:
+            raise SegmentError(f"bytes [{start}, {start + length}) are outside {ref}")
+        fd = self._read_fds.get(ref.segment)
+        if fd is None:
+            try:
+                fd = self._read_fds[ref.segment] = os.open(self._path(ref.segment), os.O_RDONLY)
+            except FileNotFoundError:
+                raise SegmentError(f"segment file {self._path(ref.segment)} is missing") from None
+        data = os.pread(fd, length, ref.offset + start)
+        if len(data) != length:
+            raise SegmentError(f"{ref} ends past the end of its segment file")
         return data
 
     def will_need(self, refs: Iterable[BlobRef]) -> None:
@@ -289,6 +302,9 @@ class SegmentLog:
         return mm
 
     def _close_maps(self, strict: bool = False) -> None:
+        for fd in self._read_fds.values():
+            os.close(fd)
+        self._read_fds.clear()
         held = 0
         for mm in [*self._maps.values(), *self._stale]:
             try:
