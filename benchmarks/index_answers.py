@@ -15,12 +15,13 @@ events each answer attended to. Written to results/index_answers/NAME.{json,md}.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tempfile
 import time
 from typing import Any
 
-from _common import RESULTS, write_results
+from _common import CODE, RESULTS, write_results
 from engramkv import EngineConfig
 from engramkv.config import ModelConfig
 from engramkv.hf import load_pretrained
@@ -43,14 +44,22 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=24)
     parser.add_argument("--project-min-events", type=int, default=256)
     parser.add_argument("--name", default="index_answers")
+    parser.add_argument("--resume", action="store_true", help="keep the runs in NAME.json; run only the missing samples")
     args = parser.parse_args()
+    out = RESULTS / "index_answers"
 
     model, tokenizer, model_id = load_pretrained(ModelConfig())
     models = Models(model, tokenizer, model_id)
     configs = {"flat": EngineConfig(), f"rank{args.rank}": ranked_config(args.rank, args.project_min_events)}
     runs: list[dict[str, Any]] = []
+    if args.resume and (out / f"{args.name}.json").exists():
+        previous = json.loads((out / f"{args.name}.json").read_text())
+        runs = [{"commit": previous["commit"], **r} for r in previous["runs"]]  # a run's own commit, if it has one
+    done = {(r["task"], r["seed"]) for r in runs}
     for task in args.tasks:
         for seed in args.seeds:
+            if (task, seed) in done:
+                continue
             sample = TASKS[task](tokenizer, args.length, seed)
             store = tempfile.mkdtemp(prefix="engramkv-index-answers-")
             try:
@@ -69,7 +78,7 @@ def main() -> None:
                         runs.append({"task": task, "seed": seed, "index": name, "index_kind": kind,
                                      "path": "chat" if chat_path else "prompt", "reply": run.reply,
                                      "score": sample.score(cut_repeats(run.reply)), "answers": sample.answers,
-                                     "recalled": run.recalled, "ingest_s": ingest_s})
+                                     "recalled": run.recalled, "ingest_s": ingest_s, "commit": CODE["commit"]})
                         print(f"{task} {seed} {name} ({kind}) {runs[-1]['path']}: {runs[-1]['score']:.2f} "
                               f"{run.reply[:60]!r}")
                     models.lm.close()
@@ -94,9 +103,10 @@ def main() -> None:
             same = sum(f["reply"] == r["reply"] for f, r in pairs)
             lines.append(f"| {task} | {path} | {n} | {flat / n:.2f} ({lo_f:.2f}-{hi_f:.2f}) | "
                          f"{low / n:.2f} ({lo_r:.2f}-{hi_r:.2f}) | {same}/{n} |")
-    payload = {"length": args.length, "seeds": args.seeds, "rank": args.rank,
+    seeds = sorted({r["seed"] for r in runs})
+    payload = {"length": args.length, "seeds": seeds, "rank": args.rank,
                "project_min_events": args.project_min_events, "runs": runs}
-    _, md_path = write_results(RESULTS / "index_answers", args.name, payload, "\n".join(lines),
+    _, md_path = write_results(out, args.name, payload, "\n".join(lines),
                                {name: config for name, config in configs.items()})
     print(md_path.read_text())
 
