@@ -35,7 +35,7 @@ def _status_mb(field: str) -> float:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":")) / 1024
 
 
-def _content_bytes(index: Any) -> int:
+def content_bytes(index: Any) -> int:
     """Bytes of an index's entries (codes and ids), without spare capacity.
 
     Counted, not serialized: serializing grows a buffer to the index's size, and glibc then serves
@@ -45,6 +45,8 @@ def _content_bytes(index: Any) -> int:
     import faiss
 
     ivf = faiss.try_extract_index_ivf(index)
+    if isinstance(faiss.downcast_index(index), faiss.IndexScalarQuantizer):  # low-rank codes: no ids
+        return int(index.ntotal) * int(faiss.downcast_index(index).code_size)
     if ivf is None:  # IndexIDMap over IndexFlatIP: float32 vectors and an int64 id each
         return int(index.ntotal) * (int(index.d) * 4 + 8)
     lists = ivf.invlists
@@ -71,7 +73,7 @@ def child(events: int, layers: int, dim: int, every: int, checkpoints: list[int]
             release_free_heap()
             released_s += time.perf_counter() - started
         if event_id + 1 in checkpoints:
-            content = sum(_content_bytes(index) for index in [*indexes.indexes, indexes.summary])
+            content = sum(content_bytes(index) for index in [*indexes.indexes, indexes.summary])
             rows.append({"events": event_id + 1, "index": indexes.kind,
                          "rss_mb": round(_status_mb("VmRSS") - start, 1),
                          "peak_mb": round(_status_mb("VmHWM") - start, 1),

@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import faiss
 import torch
 
 from _common import RESULTS, write_results
+from index_memory import content_bytes
 from engramkv.config import EngineConfig, IndexConfig, StoreConfig
 from engramkv.memory.events import Event
 from engramkv.spec import ModelSpec
@@ -40,17 +40,6 @@ SPEC = ModelSpec(model_id="HuggingFaceTB/SmolLM2-135M-Instruct (shape only)", mo
                  dtype="float32")
 SUMMARY_LAYERS = [1, 4, 7, 10, 13, 16, 19, 22, 25, 28]
 EVENT_TOKENS = 16
-
-
-def entry_bytes(index: Any) -> int:
-    """Bytes of an index's entries: codes (and ids where it keeps them), without spare capacity."""
-    ivf = faiss.try_extract_index_ivf(index)
-    if ivf is not None:
-        lists = ivf.invlists
-        return sum(lists.list_size(i) for i in range(lists.nlist)) * (int(lists.code_size) + 8)
-    if isinstance(faiss.downcast_index(index), faiss.IndexScalarQuantizer):
-        return int(index.ntotal) * int(faiss.downcast_index(index).code_size)
-    return int(index.ntotal) * (int(index.d) * 4 + 8)  # IndexIDMap over IndexFlatIP
 
 
 def fill(path: Path, index_cfg: IndexConfig, events: int) -> tuple[EventStore, Any]:
@@ -107,8 +96,8 @@ def main() -> None:
         rows = {}
         for name, memory in memories.items():
             indexes = memory.indexes
-            layer_bytes = sum(entry_bytes(index) for index in indexes.indexes) / args.events
-            summary_bytes = entry_bytes(indexes.summary) / args.events
+            layer_bytes = sum(content_bytes(index) for index in indexes.indexes) / args.events
+            summary_bytes = content_bytes(indexes.summary) / args.events
             disk = sum(f.stat().st_size for f in (work / name).rglob("index/*") if f.is_file())
             rows[name] = {"kind": indexes.kind, "chunk_ms": 1000 * statistics.median(times[name]),
                           "layer_bytes_per_event": layer_bytes, "summary_bytes_per_event": summary_bytes,

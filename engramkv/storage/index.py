@@ -45,7 +45,7 @@ import torch
 from engramkv.config import IndexConfig
 from engramkv.errors import ConfigError
 from engramkv.storage.durable import replace_durably, replace_durably_with
-from engramkv.storage.projection import Projection, fit_codes, search_codes
+from engramkv.storage.projection import CODECS, Projection, fit_codes, search_codes
 
 
 def _gpu_resources(device: str) -> Any:
@@ -70,7 +70,7 @@ class LayerIndexes:
         if cfg.rank is not None and cfg.rank >= dim:
             raise ConfigError(f"index.rank {cfg.rank} must be below the representatives' width {dim}")
         self.num_layers, self.dim, self.cfg = num_layers, dim, cfg
-        self.representatives_of, self.summary_of = representatives_of, summary_of  # for re-scoring low-rank hits
+        self.summary_of = summary_of  # for re-scoring low-rank hits
         self.layer_representatives_of = layer_representatives_of or (None if representatives_of is None else (
             lambda ids, layer: np.stack([representatives_of(event_id)[layer] for event_id in ids])))
         self.summary_layers = summary_layers
@@ -209,7 +209,7 @@ class LayerIndexes:
         nlist = max(16, int(self.cfg.ivf_lists_per_sqrt * math.sqrt(len(ids))))
         quantizer = faiss.IndexFlatIP(vectors.shape[1])
         ivf = faiss.IndexIVFScalarQuantizer(
-            quantizer, vectors.shape[1], nlist, _CODECS[self.cfg.ivf_codec], faiss.METRIC_INNER_PRODUCT)
+            quantizer, vectors.shape[1], nlist, CODECS[self.cfg.ivf_codec], faiss.METRIC_INNER_PRODUCT)
         ivf.cp.seed = 1234  # a resumed ingest must rebuild the same index
         ivf.train(vectors)
         ivf.nprobe = self.cfg.ivf_nprobe
@@ -353,9 +353,6 @@ def _read(path: Path, checksums: dict[str, Any]) -> faiss.Index:
     except RuntimeError as err:  # FAISS's own error for a file it cannot parse
         raise _Damaged(f"{path}: {err}") from err
 
-
-_CODECS = {"sq8": faiss.ScalarQuantizer.QT_8bit, "sq6": faiss.ScalarQuantizer.QT_6bit,
-           "sq4": faiss.ScalarQuantizer.QT_4bit}
 
 
 def _vectors(flat: faiss.Index) -> tuple[np.ndarray, np.ndarray]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
+# What IndexConfig.ivf_codec names, for IVF entries and low-rank codes alike.
 CODECS = {"sq8": faiss.ScalarQuantizer.QT_8bit, "sq6": faiss.ScalarQuantizer.QT_6bit,
           "sq4": faiss.ScalarQuantizer.QT_4bit}
 RANGE_STD = 4.0
@@ -38,10 +39,6 @@ class Projection:
 
     means: np.ndarray  # (L, F) float32
     bases: np.ndarray  # (L, F, R) float32
-
-    @property
-    def rank(self) -> int:
-        return int(self.bases.shape[2])
 
     @classmethod
     def fit(cls, vectors: Sequence[np.ndarray], rank: int) -> Projection:
