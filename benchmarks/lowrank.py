@@ -26,7 +26,8 @@ from _common import RESULTS, write_results
 
 # (label, bits, key_error, value_error): lowrank settings measured beside the quantised codecs
 LOWRANK = [("lowrank-4bit-0.15/0.25", 4, 0.15, 0.25), ("lowrank-4bit-0.25/0.35", 4, 0.25, 0.35),
-           ("lowrank-4bit-0.35/0.45", 4, 0.35, 0.45), ("lowrank-8bit-0.15/0.25", 8, 0.15, 0.25)]
+           ("lowrank-4bit-0.30/0.45", 4, 0.30, 0.45), ("lowrank-4bit-0.35/0.45", 4, 0.35, 0.45),
+           ("lowrank-8bit-0.15/0.25", 8, 0.15, 0.25)]
 
 
 def main() -> None:

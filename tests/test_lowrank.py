@@ -3,8 +3,11 @@ take, keep and check their bases."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,18 +98,32 @@ def test_the_codec_writes_what_layer_nbytes_says_and_reads_it_back(bits):
         codec.encode_layers(keys * float("nan"), values)
 
 
-def test_a_blob_of_the_lowrank_codec_round_trips_with_float16_representatives():
-    codec = lowrank.LowRankCodec(_bases(), "lowrank:00000000", H, D)
+@pytest.mark.parametrize("fmt", sorted(lowrank.FORMATS))
+def test_a_blob_of_the_lowrank_codec_round_trips_with_its_formats_representatives(fmt):
+    bases = dataclasses.replace(_bases(), format=fmt)
+    codec = lowrank.LowRankCodec(bases, "lowrank:00000000", H, D)
     layout = BlobLayout(codec, 3, H, D)
     keys = torch.stack([low_rank_kv(400, 16, seed=s)[:, :7] for s in range(3)])
     reps = torch.randn(3, H * D).numpy()
     blob = layout.encode(torch.arange(7), reps, keys, keys * 0.5)
-    assert len(blob) == layout.nbytes(7) == 4 * 7 + 2 * 3 * H * D + sum(codec.layer_nbytes(i, 7) for i in range(3))
+    rep_bytes = {"f16": 2 * H * D, "i8": H * D + 2 * H}[lowrank.FORMATS[fmt]]
+    assert len(blob) == layout.nbytes(7) == 4 * 7 + 3 * rep_bytes + sum(codec.layer_nbytes(i, 7) for i in range(3))
     assert layout.tokens(blob, 7) == list(range(7))
-    assert abs(layout.representatives(blob, 7) - reps).max() < 1e-2
+    assert abs(layout.representatives(blob, 7) - reps).max() < 0.01 * abs(reps).max()
     for layer in range(3):
         assert torch.equal(layout.layer_kv(blob, 7, layer)[0], codec.decode_layer(
             layer, codec.encode_layers(keys, keys * 0.5)[layer], 7)[0])
+        at, size = layout.representative_span(7, layer)  # what a low-rank search re-scores from
+        assert np.array_equal(layout.decode_representatives(blob[at : at + size], 1)[0],
+                              layout.representatives(blob, 7)[layer])
+
+
+def test_bases_of_the_first_format_still_read_and_keep_float16_representatives():
+    old = dataclasses.replace(_bases(), format="engramkv-lowrank-1")
+    again = lowrank.LowRankBases.from_bytes(old.to_bytes(), "old")
+    assert again.format == "engramkv-lowrank-1"
+    assert lowrank.LowRankCodec(again, "lowrank:00000000", H, D).representatives == "f16"
+    assert lowrank.LowRankCodec(_bases(), "lowrank:00000000", H, D).representatives == "i8"  # what a fit writes
 
 
 def test_the_bases_file_round_trips_and_a_damaged_one_is_refused(tmp_path):
@@ -173,6 +190,21 @@ def test_a_lowrank_store_keeps_its_bases_and_serves_the_stream_after_reopening(t
             replies.append(s.generate_ids([1, 2, 3], max_new_tokens=8))
         fresh.close()
     assert replies[0] == replies[1] and len(replies[0]) == 8
+
+
+def test_a_store_written_with_first_format_bases_still_opens_and_reads(tmp_path, tiny_bases):
+    old = tmp_path / "old.safetensors"  # the bases as fitted before int8 representatives
+    dataclasses.replace(lowrank.LowRankBases.load(Path(tiny_bases)), format="engramkv-lowrank-1").save(old)
+    _, lm = tiny_pair("llama", _lowrank_cfg(str(old)))
+    with lm.session(store=tmp_path / "s") as s:
+        s.ingest(_text(400, seed=5))
+        events = s.events
+    lm.close()
+    _, fresh = tiny_pair("llama", CFG)
+    with fresh.session(store=tmp_path / "s", read_only=True) as s:
+        assert s.events == events and s.memory is not None and s.memory.verify() == events
+        assert len(s.generate_ids([1, 2, 3], max_new_tokens=4)) == 4
+    fresh.close()
 
 
 def test_a_store_whose_bases_were_swapped_or_lost_is_refused(tmp_path, tiny_bases):

@@ -6,11 +6,21 @@ T = the event's tokens, L = layers, Hkv = KV heads, D = head dim, F = Hkv * D; l
 
     offset                          part                           bytes
     0                               token ids  int32 (T,)          4 T
-    4 T                             representatives (L, F)          r L F  (f32, r = 4; lowrank: f16, r = 2)
-    4 T + r L F                     layer 0 KV                     n_0 = codec.layer_nbytes(0, T)
-    4 T + r L F + n_0 + ... n_l-1   layer l KV                     n_l
+    4 T                             representatives (L, F)          L P
+    4 T + L P                       layer 0 KV                     n_0 = codec.layer_nbytes(0, T)
+    4 T + L P + n_0 + ... n_l-1     layer l KV                     n_l
     ...
-    total                                                          4 T + r L F + sum n_l
+    total                                                          4 T + L P + sum n_l
+
+P, one representative's bytes, is set by the codec's `representatives` format:
+
+    f32   F float32                                               P = 4 F   (fp16 / int8 / int4 / int2)
+    f16   F float16                                               P = 2 F   (lowrank bases of format 1)
+    i8    Hkv float16 scales | F int8 codes                       P = F + 2 Hkv (lowrank bases of format 2)
+
+i8 is symmetric per KV head: code = round(x / scale), scale = max |x| over the head's D dims / 127. At 30
+layers of F = 192 it is 5.9 KB per event instead of 23 KB (f32); a re-scored inner product moves by about
+1% of its spread, which `benchmarks/index_projection.py` measures against the exact ranking.
 
 Each layer's KV is in the store's codec (`codec.py` draws the quantised layouts, `lowrank.py` its own);
 a layer's offset is known from the sizes alone, so one layer is read without decoding the others.
@@ -25,6 +35,41 @@ import numpy as np
 import torch
 
 from engramkv.storage.codec import LayerCodec
+
+REPRESENTATIVE_FORMATS = ("f32", "f16", "i8")
+_I8_MAX = 127
+_F16_MAX = 65504.0
+
+
+def representative_nbytes(fmt: str, kv_heads: int, head_dim: int) -> int:
+    """P: the bytes of one representative of F = kv_heads * head_dim in format `fmt`."""
+    dim = kv_heads * head_dim
+    return {"f32": 4 * dim, "f16": 2 * dim, "i8": dim + 2 * kv_heads}[fmt]
+
+
+def encode_representatives(fmt: str, x: np.ndarray, kv_heads: int) -> bytes:  # x (N, F) float -> N P bytes
+    if fmt == "f32":
+        return x.astype("<f4").tobytes()
+    if fmt == "f16":
+        return np.clip(x, -_F16_MAX, _F16_MAX).astype("<f2").tobytes()  # past the range it would read back inf
+    n, dim = x.shape
+    heads = x.astype(np.float32).reshape(n, kv_heads, dim // kv_heads)  # (N, Hkv, D)
+    scale = np.minimum(np.abs(heads).max(axis=2) / _I8_MAX, _F16_MAX).astype("<f2")  # (N, Hkv)
+    step = np.where(scale == 0, 1, scale).astype(np.float32)[..., None]  # codes against the stored scale
+    codes = np.clip(np.rint(heads / step), -_I8_MAX, _I8_MAX).astype("i1").reshape(n, dim)
+    return np.concatenate([scale.view("u1").reshape(n, -1), codes.view("u1")], axis=1).tobytes()
+
+
+def decode_representatives(fmt: str, data: bytes | memoryview, count: int, kv_heads: int, head_dim: int,
+                           offset: int = 0) -> np.ndarray:  # (count, F) float32, a copy
+    dim = kv_heads * head_dim
+    if fmt in ("f32", "f16"):
+        flat = np.frombuffer(data, dtype="<f4" if fmt == "f32" else "<f2", count=count * dim, offset=offset)
+        return flat.reshape(count, dim).astype(np.float32)
+    rows = np.frombuffer(data, dtype="u1", count=count * (dim + 2 * kv_heads), offset=offset).reshape(count, -1)
+    scale = rows[:, : 2 * kv_heads].copy().view("<f2").astype(np.float32)  # (count, Hkv)
+    codes = rows[:, 2 * kv_heads :].view("i1").astype(np.float32).reshape(count, kv_heads, head_dim)
+    return (codes * scale[..., None]).reshape(count, dim)
 
 
 @dataclass(frozen=True)
@@ -63,7 +108,7 @@ class BlobLayout:
             raise ValueError(f"representatives of shape {representatives.shape}, expected ({self.num_layers}, "
                              f"{self.dim})")
         parts = [token_ids.to(torch.int32).cpu().numpy().astype("<i4").tobytes(),
-                 _as_dtype(representatives, self.codec.representative_dtype).tobytes()]
+                 encode_representatives(self.codec.representatives, representatives, self.kv_heads)]
         parts += self.codec.encode_layers(keys, values)  # one per layer, checks that values match keys
         return b"".join(parts)
 
@@ -72,9 +117,8 @@ class BlobLayout:
 
     def representatives(self, blob: bytes | memoryview, n_tokens: int) -> np.ndarray:  # (L, F) float32
         """A copy: the index that receives it outlives the blob."""
-        flat = np.frombuffer(blob, dtype=self.codec.representative_dtype, count=self.num_layers * self.dim,
-                             offset=4 * n_tokens)  # (L * F,)
-        return flat.reshape(self.num_layers, self.dim).astype(np.float32)
+        return decode_representatives(self.codec.representatives, blob, self.num_layers, self.kv_heads,
+                                      self.head_dim, offset=4 * n_tokens)
 
     def representative_span(self, n_tokens: int, layer: int) -> tuple[int, int]:
         """(offset, bytes) of one layer's representative in the blob of an event of `n_tokens`."""
@@ -83,12 +127,11 @@ class BlobLayout:
 
     @cached_property
     def _representative_bytes(self) -> int:  # asked once per re-scored candidate: not worked out each time
-        return np.dtype(self.codec.representative_dtype).itemsize * self.dim
+        return representative_nbytes(self.codec.representatives, self.kv_heads, self.head_dim)
 
     def decode_representatives(self, data: bytes, count: int) -> np.ndarray:  # (count, F) float32
         """`count` representatives of one layer, back to back."""
-        flat = np.frombuffer(data, dtype=self.codec.representative_dtype, count=count * self.dim)
-        return flat.reshape(count, self.dim).astype(np.float32)
+        return decode_representatives(self.codec.representatives, data, count, self.kv_heads, self.head_dim)
 
     def layer_kv(self, blob: bytes | memoryview, n_tokens: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) of one layer, each float16 (Hkv, T, D)."""
@@ -100,16 +143,10 @@ class BlobLayout:
         """Offset of `layer`'s KV (of `num_layers`: the blob's end)."""
         offsets = self._offsets.get(n_tokens)
         if offsets is None:
-            at = 4 * n_tokens + np.dtype(self.codec.representative_dtype).itemsize * self.num_layers * self.dim
+            at = 4 * n_tokens + self._representative_bytes * self.num_layers
             starts = [at]
             for i in range(self.num_layers):
                 starts.append(starts[-1] + self.codec.layer_nbytes(i, n_tokens))
             offsets = self._offsets[n_tokens] = tuple(starts)
         return offsets[layer]
 
-
-def _as_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
-    """`x` in `dtype`; into float16 clipped to its range (a representative past it would read back as inf)."""
-    if np.dtype(dtype).itemsize == 2:
-        x = np.clip(x, -65504.0, 65504.0)
-    return x.astype(dtype)

@@ -165,7 +165,7 @@ class LayerCodec(Protocol):
     """How a blob's KV is encoded, one layer at a time (a layer's size may depend on the layer)."""
 
     name: str  # what the catalog records as the store's codec
-    representative_dtype: str  # numpy dtype of the blob's representatives
+    representatives: str  # the blob's representative format (`blob.REPRESENTATIVE_FORMATS`)
 
     def layer_nbytes(self, layer: int, n_tokens: int) -> int: ...
 
@@ -178,7 +178,7 @@ class LayerCodec(Protocol):
 class QuantCodec:
     """`LayerCodec` of fp16 / int8 / int4 / int2: every layer the same size, float32 representatives."""
 
-    representative_dtype = "<f4"
+    representatives = "f32"
 
     def __init__(self, codec: Codec, kv_heads: int, head_dim: int):
         _check_codec(codec)

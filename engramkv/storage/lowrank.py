@@ -38,7 +38,10 @@ from safetensors.torch import save as save_tensors
 from engramkv.config import LowRankConfig
 from engramkv.errors import ConfigError, StoreCorruptError
 
-FORMAT = "engramkv-lowrank-1"
+# A bases file's format fixes the representatives its store writes (`blob.py`): format 1 (stores written before
+# 2026-12-03) float16, format 2 int8 per KV head. Both stay readable; `fit_bases` writes format 2.
+FORMATS = {"engramkv-lowrank-1": "f16", "engramkv-lowrank-2": "i8"}
+FORMAT = "engramkv-lowrank-2"
 _F16_MAX = 65504.0
 
 
@@ -153,6 +156,7 @@ class LowRankBases:
     group: int
     fingerprint: dict[str, Any]
     errors: dict[str, list[float]]  # held-out relative error per layer: {"keys": [...], "values": [...]}
+    format: str = FORMAT  # a key of FORMATS
 
     def to_bytes(self) -> bytes:
         tensors = {}
@@ -160,7 +164,7 @@ class LowRankBases:
             for layer, p in enumerate(projections):
                 tensors[f"{name}_mean.{layer}"] = p.mean.float().contiguous()
                 tensors[f"{name}_basis.{layer}"] = p.basis.float().contiguous()
-        meta = {"format": FORMAT, "bits": str(self.bits), "group": str(self.group), "sha256": _content_hash(tensors),
+        meta = {"format": self.format, "bits": str(self.bits), "group": str(self.group), "sha256": _content_hash(tensors),
                 "fingerprint": json.dumps(self.fingerprint, sort_keys=True, default=str),
                 "errors": json.dumps(self.errors)}
         return save_tensors(tensors, metadata=meta)
@@ -171,8 +175,8 @@ class LowRankBases:
         try:
             tensors = load_tensors(data)
             meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
-            if meta.get("format") != FORMAT:
-                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT!r}")
+            if meta.get("format") not in FORMATS:
+                raise ValueError(f"format {meta.get('format')!r}, expected one of {sorted(FORMATS)}")
             if meta.get("sha256") != _content_hash(tensors):
                 raise ValueError("its tensors do not match the checksum it was written with")
             n_layers = sum(1 for name in tensors if name.startswith("k_mean."))
@@ -182,7 +186,7 @@ class LowRankBases:
                              for i in range(n_layers))
 
             return cls(projections("k"), projections("v"), int(meta["bits"]), int(meta["group"]),
-                       json.loads(meta["fingerprint"]), json.loads(meta["errors"]))
+                       json.loads(meta["fingerprint"]), json.loads(meta["errors"]), meta["format"])
         except Exception as err:  # safetensors raises its own errors for a damaged header
             raise StoreCorruptError(f"{source} is not a readable lowrank bases file: {err}") from err
 
@@ -242,7 +246,7 @@ class LowRankCodec:
     def __init__(self, bases: LowRankBases, name: str, kv_heads: int, head_dim: int):
         self.bases, self.name, self.kv_heads, self.head_dim = bases, name, kv_heads, head_dim
         self.bits, self.group = bases.bits, bases.group
-        self.representative_dtype = "<f2"
+        self.representatives = FORMATS[bases.format]
 
     def _sizes(self, layer: int) -> tuple[int, int]:
         return self.bases.keys[layer].latent, self.bases.values[layer].latent
