@@ -18,6 +18,11 @@ and every recorded search is repeated over the events that existed when it was m
     projected  scores = ((reps - mean) @ P_r) @ (P_r^T q)     (a constant q.mean apart: ranks as reps @ P_r P_r^T q)
     quantised  the projected codes through FAISS's scalar quantiser (8, 6 or 4 bits per dimension)
 
+And, for the store's two-stage search (projection at rank 24 in sq6, the best 50 re-scored) and for a flat
+search, re-scoring from the representatives as a store writes them (`storage.blob`: f32, f16, i8 per KV head):
+
+    stored     scores = decode(encode(reps)) @ q
+
 Reported: the share of the exact top 10 that each variant's top 10 keeps (mean over searches; searches
 over fewer than 40 events are left out), and the bytes per event an index of that kind holds (codes +
 an 8-byte id; 30 layer indexes plus the summary index).
@@ -38,6 +43,8 @@ import torch
 from _common import RESULTS, write_results
 from engramkv import EngineConfig, EpisodicLM
 from engramkv.memory.events import InMemoryEventMemory
+from engramkv.storage.blob import (REPRESENTATIVE_FORMATS, decode_representatives, encode_representatives,
+                                  representative_nbytes)
 from engramkv.tasks import TASKS
 
 TOP = 10
@@ -120,6 +127,31 @@ def measure(vectors: np.ndarray, searches: list[tuple[np.ndarray, int]], ranks: 
     return out
 
 
+def stored_formats(vectors: np.ndarray, searches: list[tuple[np.ndarray, int]], fit_share: float, kv_heads: int,
+                   rank: int = 24, codec: str = "sq6") -> dict[str, dict[str, float]]:
+    """{fmt: {"flat": top-10 kept scoring the stored representatives, "two_stage": the same after a projected
+    search's best POOL are re-scored from them}} for one layer."""
+    n_fit = max(MIN_EVENTS, int(fit_share * len(vectors)))
+    mean, basis = principal(vectors[:n_fit], rank)
+    codes = quantised((vectors - mean) @ basis, (vectors[:n_fit] - mean) @ basis, codec)
+    head_dim = vectors.shape[1] // kv_heads
+    out: dict[str, dict[str, float]] = {}
+    for fmt in REPRESENTATIVE_FORMATS:
+        stored = decode_representatives(fmt, encode_representatives(fmt, vectors, kv_heads), len(vectors), kv_heads,
+                                        head_dim)
+        flat, two_stage = [], []
+        for q, n in searches:
+            exact = vectors[:n] @ q
+            flat.append(overlap(exact, stored[:n] @ q))
+            pool = min(POOL, n)
+            candidates = np.argpartition(-(codes[:n] @ (basis.T @ q)), pool - 1)[:pool]
+            rescored = np.full(n, -np.inf, dtype=np.float32)
+            rescored[candidates] = stored[candidates] @ q
+            two_stage.append(overlap(exact, rescored))
+        out[fmt] = {"flat": float(np.mean(flat)), "two_stage": float(np.mean(two_stage))}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens-per-sample", type=int, default=4096)
@@ -151,6 +183,8 @@ def main() -> None:
             continue
         measured = measure(memory.vectors(layer), searches, SUMMARY_RANKS if layer < 0 else RANKS, args.fit_share)
         entry = {"searches": len(searches), "overlap": measured}
+        if layer >= 0:
+            entry["stored"] = stored_formats(memory.vectors(layer), searches, args.fit_share, spec.num_kv_heads)
         if layer < 0:
             results["summary"] = entry
         else:
@@ -182,6 +216,15 @@ def main() -> None:
                  for c in [*CODECS, "sq8_pool", "sq4_pool"]]
         size = " / ".join(f"{spec.num_layers * (rank * BITS[c] // 8 + 8):,}" for c in ("sq8", "sq6", "sq4"))
         lines.append(f"| {key} | " + " | ".join(cells) + f" | {size} |")
+    lines += ["", "## Re-scoring from the stored representatives (layer indexes)", "",
+              "Share of the exact top 10 in the top 10 of a flat search over the representatives as stored, and "
+              f"of the two-stage search (rank 24, sq6, best {POOL} re-scored from them); mean over layers (worst).",
+              "", "| stored as | bytes per layer per event | flat | two-stage |", "|---|---|---|---|"]
+    for fmt in REPRESENTATIVE_FORMATS:
+        size = representative_nbytes(fmt, spec.num_kv_heads, spec.head_dim)
+        cells = [f"{np.mean([l['stored'][fmt][k] for l in layers]):.3f} ({min(l['stored'][fmt][k] for l in layers):.2f})"
+                 for k in ("flat", "two_stage")]
+        lines.append(f"| {fmt} | {size} | " + " | ".join(cells) + " |")
     summary = results["summary"]
     if summary:
         lines += ["", f"## Key-summary index (questions; {summary['searches']} searches)", "",
