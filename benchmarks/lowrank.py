@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from _common import RESULTS, write_results
 
-# (label, bits, key_error, value_error): lowrank settings measured beside the quantised codecs
-LOWRANK = [("lowrank-4bit-0.15/0.25", 4, 0.15, 0.25), ("lowrank-4bit-0.25/0.35", 4, 0.25, 0.35),
-           ("lowrank-4bit-0.30/0.45", 4, 0.30, 0.45), ("lowrank-4bit-0.35/0.45", 4, 0.35, 0.45),
-           ("lowrank-8bit-0.15/0.25", 8, 0.15, 0.25)]
+# (label, key_error, value_error): lowrank settings (format 2: bits per direction) measured beside the
+# quantised codecs
+LOWRANK = [("lowrank-0.15/0.25", 0.15, 0.25), ("lowrank-0.20/0.30", 0.20, 0.30), ("lowrank-0.25/0.35", 0.25, 0.35),
+           ("lowrank-0.30/0.45", 0.30, 0.45)]
 
 
 def main() -> None:
@@ -39,9 +39,9 @@ def main() -> None:
 
     from engramkv import EngineConfig, EpisodicLM
     from engramkv.config import LowRankConfig
-    from engramkv.lowrank_fit import stdlib_docstrings
+    from engramkv.lowrank_fit import fit_bases, stdlib_docstrings
     from engramkv.storage.codec import QuantCodec
-    from engramkv.storage.lowrank import LowRankCodec, fit_bases
+    from engramkv.storage.lowrank import LowRankCodec
     from engramkv.tasks import haystack
 
     lm = EpisodicLM.from_pretrained()
@@ -72,12 +72,14 @@ def main() -> None:
     codecs: dict[str, Any] = {name: QuantCodec(name, spec.num_kv_heads, spec.head_dim)
                               for name in ("fp16", "int8", "int4", "int2")}
     fitted: dict[str, Any] = {}
-    for label, bits, key_error, value_error in LOWRANK:
-        lowrank_cfg = LowRankConfig(bits=bits, key_error=key_error, value_error=value_error)
+    for label, key_error, value_error in LOWRANK:
+        lowrank_cfg = LowRankConfig(key_error=key_error, value_error=value_error)
         bases = fit_bases(fit_k, fit_v, lowrank_cfg, spec.model_dump())
         codecs[label] = LowRankCodec(bases, "lowrank:bench", spec.num_kv_heads, spec.head_dim)
-        fitted[label] = {"config": lowrank_cfg.model_dump(), "latent_keys": [p.latent for p in bases.keys],
-                         "latent_values": [p.latent for p in bases.values], "fit_errors": bases.errors}
+        fitted[label] = {"config": lowrank_cfg.model_dump(), "code_bits_keys": [p.code_bits for p in bases.keys],
+                         "code_bits_values": [p.code_bits for p in bases.values],
+                         "directions_keys": [p.latent for p in bases.keys],
+                         "directions_values": [p.latent for p in bases.values], "fit_errors": bases.errors}
 
     rows: dict[str, dict[str, Any]] = {}
     for name, codec in codecs.items():
@@ -111,10 +113,13 @@ def main() -> None:
         lines.append(f"| {name} | {row['bytes_per_token']:,.0f} | {row['bytes_per_token'] / fp16:.3f} | "
                      f"{k['mean']:.3f} ({k['max']:.3f}) | {v['mean']:.3f} ({v['max']:.3f}) | "
                      f"{row['encode_s'] / rows['int8']['encode_s']:.2f} | {row['decode_s'] / rows['int8']['decode_s']:.2f} |")
-    lines += ["", "Lowrank latent dims per layer (keys; values), of " + str(spec.num_kv_heads * spec.head_dim) + ":", ""]
+    lines += ["", "Lowrank per layer (keys; values): code bits per token (fp16: "
+              f"{spec.num_kv_heads * spec.head_dim * 16}) and directions coded (of {spec.num_kv_heads * spec.head_dim}):", ""]
     for label, info in fitted.items():
-        lines.append(f"- {label}: keys {min(info['latent_keys'])}-{max(info['latent_keys'])}, values "
-                     f"{min(info['latent_values'])}-{max(info['latent_values'])}")
+        lines.append(f"- {label}: bits {min(info['code_bits_keys'])}-{max(info['code_bits_keys'])}; "
+                     f"{min(info['code_bits_values'])}-{max(info['code_bits_values'])}, directions "
+                     f"{min(info['directions_keys'])}-{max(info['directions_keys'])}; "
+                     f"{min(info['directions_values'])}-{max(info['directions_values'])}")
     table = "\n".join(lines)
     write_results(RESULTS / "lowrank", args.name, {"args": vars(args), "tokens": n_tokens, "events": len(lengths),
                                                    "codecs": rows, "lowrank": fitted}, table, cfg)

@@ -311,20 +311,11 @@ class LowRankConfig(_Strict):
 
     bases: str | None = Field(default=None, description="Bases file (from `engramkv fit-bases`) a new lowrank "
                               "store copies; None: those shipped for the model. A store reads its own copy.")
-    bits: Literal[4, 8] = Field(default=4, description="Bits per latent code (symmetric, per token group).")
-    group: int = Field(default=32, ge=2, description="Latent dimensions sharing one float16 scale, per token.")
-    rank_step: int = Field(default=8, ge=2, description="Ranks are searched in multiples of this.")
     heads_per_group: int | None = Field(default=None, ge=1, description="KV heads sharing one basis (None: all).")
-    key_error: float = Field(default=0.1, gt=0, lt=1, description="Fit: each layer's key rank is the least whose "
-                             "held-out error (quantisation included, relative to the centred keys) is within this.")
+    key_error: float = Field(default=0.1, gt=0, lt=1, description="Fit: each layer's keys get the fewest bits "
+                             "whose held-out error (relative to the centred keys) is within this.")
     value_error: float = Field(default=0.2, gt=0, lt=1, description="Fit: the same budget for values.")
     tokens: int = Field(default=32_768, ge=1024, description="Fit: calibration tokens read (a fifth held out).")
-
-    @model_validator(mode="after")
-    def _even_codes(self) -> LowRankConfig:
-        if self.bits == 4 and self.rank_step % 2:
-            raise ValueError("lowrank.rank_step must be even for 4-bit codes (two a byte)")
-        return self
 
 
 class StoreConfig(_Strict):

@@ -1,4 +1,10 @@
-"""Fitting the `lowrank` codec's bases on a model's own KV (`engramkv fit-bases`).
+"""Fitting the `lowrank` codec's bases on a model's own KV (`engramkv fit-bases`; the format is
+`storage.lowrank`'s).
+
+    allocate           bits per latent direction for a budget (reverse water-filling, one bit at a time)
+    fit_projection     one layer's K or V samples -> its `Projection` within an error budget
+    fit_bases          every layer's, from calibration KV
+    fit_lowrank_bases  the model reads calibration text, then `fit_bases`
 
 The model reads calibration text into an in-RAM session; the keys (pre-RoPE) and values its events hold
 are what the bases are fitted on, layer by layer (`storage.lowrank.fit_bases`: the last fifth of the
@@ -14,12 +20,21 @@ from __future__ import annotations
 import importlib
 import inspect
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from engramkv.config import EngineConfig
-from engramkv.errors import InputError
+import torch
+
+from engramkv.config import EngineConfig, LowRankConfig
+from engramkv.errors import ConfigError, InputError
 from engramkv.lm import EpisodicLM
-from engramkv.storage.lowrank import LowRankBases, fit_bases
+from engramkv.storage.lowrank import MAX_BITS, LowRankBases, Projection
+
+# The squared error of Max's uniform quantiser of a unit Gaussian with b bits (b = 0..8; its steps:
+# `storage.lowrank._STEP`).
+DISTORTION = (1.0, 0.3634, 0.1188, 0.03744, 0.01154, 0.00349, 0.00104, 0.000303, 0.0000870)
+STEP_FACTORS = (1.0, 1.25, 1.5, 2.0)  # the widenings of those steps a fit tries per layer
+BUDGET_STEP = 16  # bits: the fit's budgets are multiples of this
 
 CALIBRATION_MODULES = (
     "argparse", "ast", "asyncio", "bisect", "calendar", "codecs", "collections", "contextlib", "copy", "csv",
@@ -50,6 +65,82 @@ def stdlib_docstrings() -> Iterable[str]:
                 doc = inspect.getdoc(member)
             if doc and len(doc) > 80:
                 yield doc
+
+
+def allocate(variance: torch.Tensor, budget: int) -> torch.Tensor:
+    """Bits per direction (G, r) for `budget` bits in all, each next bit to the direction whose expected
+    squared error (variance x Max's error at its bits) falls most; `variance` (G, r)."""
+    gains = variance[..., None] * -torch.diff(torch.tensor(DISTORTION))  # (G, r, 8): the b-th bit's gain
+    best = gains.flatten().argsort(descending=True)[:budget]  # gains fall with b, so bits go in order per direction
+    return torch.bincount(best // MAX_BITS, minlength=variance.numel()).view(variance.shape)
+
+
+def fit_projection(train: torch.Tensor, held_out: torch.Tensor, heads_per_group: int, max_error: float
+                   ) -> tuple[Projection, float]:
+    """One layer's projection for K or V samples (H, N, D) each: per head group the mean and the principal
+    directions of the train samples; bits per direction (`allocate`) for the least budget, a multiple of
+    `BUDGET_STEP` bits, and the step widening, whose relative error on the held-out samples
+    (||x - x_hat|| / ||x - mean||) is within `max_error`, else 8 bits a direction. Returns it and that error."""
+    h, _, d = train.shape
+    if h % heads_per_group:
+        raise ConfigError(f"lowrank.heads_per_group {heads_per_group} does not divide {h} KV heads")
+    groups, width = h // heads_per_group, heads_per_group * d
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:  # (H, N, D) -> (G, N, g D)
+        return x.float().reshape(groups, heads_per_group, x.shape[1], d).permute(0, 2, 1, 3).reshape(groups, -1, width)
+
+    x = grouped(train)
+    mean = x.mean(dim=1)  # (G, g D)
+    # The principal directions as eigenvectors of the covariance: a full basis even with fewer samples than
+    # dimensions, and no (N, N) factor.
+    centred = (x - mean[:, None]).double()
+    eigenvalues, eigenvectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)  # ascending
+    basis = eigenvectors.flip(-1).float().contiguous()  # (G, g D, g D), largest variance first
+    variance = (eigenvalues.flip(-1) / x.shape[1]).float()  # (G, g D)
+    # Directions the train samples hardly span still get a deviation: whitening by ~0 would let one held-out
+    # component swamp a token's scale.
+    variance = variance.clamp(min=float(variance.max()) * 1e-4 + 1e-12)
+    full = Projection(mean, basis, variance.sqrt(), torch.zeros_like(variance, dtype=torch.int64))
+    y = held_out.float()
+    z = full.project(y)  # (T, G gD): the basis is complete, so the error is the latent's
+    norm = float((grouped(y) - mean[:, None]).norm()) or 1.0
+
+    def error(projection: Projection) -> float:
+        return float((projection.decode(*projection.encode(z)) - z).norm()) / norm
+
+    best: tuple[int, float, Projection] | None = None
+    most = variance.numel() * MAX_BITS
+    for factor in STEP_FACTORS:
+        for budget in [*range(BUDGET_STEP, most, BUDGET_STEP), most]:
+            if best is not None and budget >= best[0]:
+                break
+            candidate = Projection(mean, basis, full.sigma, allocate(variance, budget), factor)
+            if (e := error(candidate)) <= max_error or budget == most:
+                if best is None or budget < best[0] or e < best[1]:
+                    best = (budget, e, candidate)
+                break
+    assert best is not None
+    _, e, chosen = best
+    keep = int((chosen.bits > 0).sum(0).nonzero().max()) + 1 if chosen.code_bits else 1  # directions any group codes
+    return Projection(mean, basis[:, :, :keep].contiguous(), chosen.sigma[:, :keep].contiguous(),
+                      chosen.bits[:, :keep].contiguous(), chosen.step), e
+
+
+def fit_bases(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], cfg: LowRankConfig,
+              fingerprint: dict[str, Any], held_out: float = 0.2) -> LowRankBases:
+    """Bases for every layer from calibration KV (H, N, D) per layer (N tokens in reading order): the last
+    `held_out` share of the tokens chooses the bits, the rest fits the bases."""
+    k_out, v_out, errors = [], [], {"keys": [], "values": []}
+    for k, v in zip(keys, values):
+        cut = int(k.shape[1] * (1 - held_out))
+        if cut < 1 or cut >= k.shape[1]:
+            raise ConfigError(f"{k.shape[1]} calibration tokens are too few to fit and hold out")
+        for x, budget, out, name in ((k, cfg.key_error, k_out, "keys"), (v, cfg.value_error, v_out, "values")):
+            projection, error = fit_projection(x[:, :cut], x[:, cut:], cfg.heads_per_group or x.shape[0], budget)
+            out.append(projection)
+            errors[name].append(round(error, 5))
+    return LowRankBases(tuple(k_out), tuple(v_out), fingerprint, errors)
+
 
 
 def fit_lowrank_bases(lm: EpisodicLM, cfg: EngineConfig, texts: Iterable[str] | None = None,

@@ -172,10 +172,10 @@ def test_fit_bases_writes_a_bases_file_and_refuses_to_overwrite_it(tmp_path, cap
     assert cli.main([*args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out.splitlines()[-1])
     bases = LowRankBases.load(out)
-    assert report["latent"]["keys"] == [p.latent for p in bases.keys] and len(bases.values) == 3
+    assert report["code_bits"]["keys"] == [p.code_bits for p in bases.keys] and len(bases.values) == 3
     assert bases.fingerprint["model_id"] == "tiny-llama"
     assert cli.main(args) == 1 and "--force" in capsys.readouterr().err
-    assert cli.main([*args, "--force"]) == 0 and "latent dims per layer" in capsys.readouterr().out
+    assert cli.main([*args, "--force"]) == 0 and "code bits per token per layer" in capsys.readouterr().out
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00")
     assert cli.main(["fit-bases", "--out", str(tmp_path / "x"), "--text", str(tmp_path / "binary.txt")]) == 1
     assert "UTF-8" in capsys.readouterr().err

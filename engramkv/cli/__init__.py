@@ -182,20 +182,20 @@ def cmd_fit_bases(args: argparse.Namespace) -> int:
     texts = [_read_text(path) for path in args.text] if args.text else None
     lm = _model(args)
     base = _config_file(args.config) if args.config else lm.config
-    cfg = _with_options(base, ("store", "lowrank"), args, ("tokens", "bits", "key_error", "value_error",
+    cfg = _with_options(base, ("store", "lowrank"), args, ("tokens", "key_error", "value_error",
                                                          "heads_per_group"))
     bases = fit_lowrank_bases(lm, cfg, texts, progress=None if args.json else _progress_line)
     out.parent.mkdir(parents=True, exist_ok=True)
     bases.save(out)
-    sizes = {"keys": [p.latent for p in bases.keys], "values": [p.latent for p in bases.values]}
+    sizes = {"keys": [p.code_bits for p in bases.keys], "values": [p.code_bits for p in bases.values]}
     if args.json:
-        print(json.dumps({"out": str(out), "latent": sizes, "errors": bases.errors, "bits": bases.bits}))
+        print(json.dumps({"out": str(out), "code_bits": sizes, "errors": bases.errors}))
         return 0
-    width = lm.spec.num_kv_heads * lm.spec.head_dim
+    fp16 = lm.spec.num_kv_heads * lm.spec.head_dim * 16
     for name in ("keys", "values"):
-        ranks = sizes[name]
-        print(f"  {name:6s} latent dims per layer {min(ranks)}-{max(ranks)} of {width} (mean {sum(ranks) / len(ranks):.0f}); "
-              f"held-out relative error {max(bases.errors[name]):.3f} at most")
+        bits = sizes[name]
+        print(f"  {name:6s} code bits per token per layer {min(bits)}-{max(bits)} (mean {sum(bits) / len(bits):.0f}; "
+              f"fp16: {fp16}); held-out relative error {max(bases.errors[name]):.3f} at most")
     print(f"wrote {out}; use it with store.codec 'lowrank' and store.lowrank.bases")
     return 0
 

@@ -92,13 +92,12 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
 
     p = sub.add_parser("fit-bases", help="fit the lowrank codec's bases on the model's own keys and values",
                        description="Read calibration text with the model (default: docstrings of Python's "
-                       "standard library, offline), fit per-layer key and value bases by SVD, choose each "
-                       "layer's rank within the error budgets on held-out tokens, and write the bases file a "
+                       "standard library, offline), fit per-layer key and value bases by SVD, give each "
+                       "layer the fewest bits per token within the error budgets on held-out tokens, and write the bases file a "
                        "store with store.codec 'lowrank' copies (store.lowrank.bases).")
     p.add_argument("--out", required=True, help="bases file to write (.safetensors)")
     p.add_argument("--text", nargs="+", default=None, metavar="FILE", help="UTF-8 files to fit on instead")
     p.add_argument("--tokens", type=int, default=None, help="calibration tokens to read (default: the config's)")
-    p.add_argument("--bits", type=int, choices=[4, 8], default=None, help="bits per latent code")
     p.add_argument("--key-error", type=float, default=None, help="held-out relative error budget of keys")
     p.add_argument("--value-error", type=float, default=None, help="held-out relative error budget of values")
     p.add_argument("--heads-per-group", type=int, default=None, help="KV heads sharing a basis (default: all)")
