@@ -11,7 +11,8 @@ head dim x 2 bytes per token (23,040 on the embedded model). Recall latency: `Se
 --recalls queries (pieces of the same text) on the store opened read-only, p50; the codecs take turns
 (int8 first), so drift on a shared machine falls on all of them.
 
-    python benchmarks/store_size.py [--tokens 32768] [--codecs int8 lowrank] [--name store_size]
+    python benchmarks/store_size.py [--tokens 32768] [--codecs int8 lowrank] [--index-rank 24]
+        [--project-min-events 256] [--name store_size]
 
 Writes benchmarks/results/store_size/NAME.json and .md.
 """
@@ -63,6 +64,10 @@ def main() -> None:
                         choices=["fp16", "int8", "int4", "int2", "lowrank"], help="codecs measured (int8 is added)")
     parser.add_argument("--bases", default=None, help="lowrank bases file (default: the ones shipped for the model)")
     parser.add_argument("--recalls", type=int, default=20, help="recall queries timed per store")
+    parser.add_argument("--index-rank", type=int, default=None,
+                        help="store.index.rank of every store (low-rank index entries; default: off)")
+    parser.add_argument("--project-min-events", type=int, default=None,
+                        help="store.index.project_min_events (default: the config's, 2,048)")
     parser.add_argument("--name", default="store_size")
     args = parser.parse_args()
     codecs = ["int8", *(c for c in args.codecs if c != "int8")]
@@ -82,7 +87,10 @@ def main() -> None:
     configs: dict[str, Any] = {}
     for codec in codecs:
         lowrank = {"bases": args.bases} if codec == "lowrank" and args.bases else {}
-        cfg = EngineConfig.model_validate({"store": {"codec": codec, "lowrank": lowrank}})
+        index = {"rank": args.index_rank}
+        if args.project_min_events is not None:
+            index["project_min_events"] = args.project_min_events
+        cfg = EngineConfig.model_validate({"store": {"codec": codec, "lowrank": lowrank, "index": index}})
         configs[codec] = cfg.model_dump()
         directory = Path(tempfile.mkdtemp(prefix=f"engramkv-size-{codec}-"))
         try:
@@ -96,6 +104,8 @@ def main() -> None:
             lm.close()
             sizes = bytes_by_kind(directory)
             reader = lm.session(cfg, store=directory, read_only=True)
+            layout = reader.memory.layout  # what the segments hold besides KV: token ids and representatives
+            representative_bytes = events * layout.num_layers * layout.representative_bytes
             reader.recall(queries[0])  # the first pays for opening the indexes
             times = []
             for query in queries:
@@ -107,7 +117,9 @@ def main() -> None:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         total = sum(sizes.values())
-        rows[codec] = {"events": events, "ingest_s": ingest_s, "recall_p50_s": statistics.median(times),
+        parts = {"token_ids": 4 * len(ids), "representatives": representative_bytes}
+        parts["kv_and_record_overhead"] = sizes["segments"] - sum(parts.values())
+        rows[codec] = {"events": events, "segment_parts_per_token": {k: v / len(ids) for k, v in parts.items()}, "ingest_s": ingest_s, "recall_p50_s": statistics.median(times),
                        "bytes": sizes, "bytes_per_token": {k: v / len(ids) for k, v in sizes.items()},
                        "total_bytes_per_token": total / len(ids), "of_fp16_kv": total / len(ids) / fp16,
                        "index_bytes_per_event": sizes["index"] / max(events, 1)}
@@ -118,13 +130,15 @@ def main() -> None:
     lines = [f"# Stores on disk per codec ({spec.model_id}, {len(ids):,} tokens)", "",
              f"fp16 KV is {fp16:,} B per token. Bytes per token by file kind after the commit; ingest speed and "
              "recall p50 as ratios to the int8 store's, same run.", "",
-             "| codec | events | " + " | ".join(KINDS) + " | total B/token | of fp16 KV | index B/event | "
+             "Segments hold each event's KV, token ids (4 B/token) and representatives (one per layer); `reps` "
+             "is the last per token.", "",
+             "| codec | events | " + " | ".join(KINDS) + " | reps | total B/token | of fp16 KV | index B/event | "
              "ingest speed / int8 | recall p50 / int8 |",
-             "|---|---|" + "---|" * len(KINDS) + "---|---|---|---|---|"]
+             "|---|---|" + "---|" * len(KINDS) + "---|---|---|---|---|---|"]
     for codec, row in rows.items():
         per = row["bytes_per_token"]
         lines.append(f"| {codec} | {row['events']:,} | " + " | ".join(f"{per[k]:,.0f}" for k in KINDS) +
-                     f" | {row['total_bytes_per_token']:,.0f} | {row['of_fp16_kv']:.3f} | "
+                     f" | {row['segment_parts_per_token']['representatives']:,.0f} | {row['total_bytes_per_token']:,.0f} | {row['of_fp16_kv']:.3f} | "
                      f"{row['index_bytes_per_event']:,.0f} | {base['ingest_s'] / row['ingest_s']:.2f} | "
                      f"{row['recall_p50_s'] / base['recall_p50_s']:.2f} |")
     table = "\n".join(lines)

@@ -122,11 +122,11 @@ class BlobLayout:
 
     def representative_span(self, n_tokens: int, layer: int) -> tuple[int, int]:
         """(offset, bytes) of one layer's representative in the blob of an event of `n_tokens`."""
-        size = self._representative_bytes
+        size = self.representative_bytes
         return 4 * n_tokens + layer * size, size
 
     @cached_property
-    def _representative_bytes(self) -> int:  # asked once per re-scored candidate: not worked out each time
+    def representative_bytes(self) -> int:  # P; asked once per re-scored candidate: not worked out each time
         return representative_nbytes(self.codec.representatives, self.kv_heads, self.head_dim)
 
     def decode_representatives(self, data: bytes, count: int) -> np.ndarray:  # (count, F) float32
@@ -143,7 +143,7 @@ class BlobLayout:
         """Offset of `layer`'s KV (of `num_layers`: the blob's end)."""
         offsets = self._offsets.get(n_tokens)
         if offsets is None:
-            at = 4 * n_tokens + self._representative_bytes * self.num_layers
+            at = 4 * n_tokens + self.representative_bytes * self.num_layers
             starts = [at]
             for i in range(self.num_layers):
                 starts.append(starts[-1] + self.codec.layer_nbytes(i, n_tokens))
