@@ -314,7 +314,7 @@ class LowRankConfig(_Strict):
     heads_per_group: int | None = Field(default=None, ge=1, description="KV heads sharing one basis (None: all).")
     key_error: float = Field(default=0.25, gt=0, lt=1, description="Fit: each layer's keys get the fewest bits "
                              "whose held-out error (relative to the centred keys) is within this.")
-    value_error: float = Field(default=0.35, gt=0, lt=1, description="Fit: the same budget for values.")
+    value_error: float = Field(default=0.25, gt=0, lt=1, description="Fit: the same budget for values.")
     tokens: int = Field(default=32_768, ge=1024, description="Fit: calibration tokens read (a fifth held out).")
 
 
