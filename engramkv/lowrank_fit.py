@@ -7,8 +7,8 @@
     fit_lowrank_bases  the model reads calibration text, then `fit_bases`
 
 The model reads calibration text into an in-RAM session; the keys (pre-RoPE) and values its events hold
-are what the bases are fitted on, layer by layer (`storage.lowrank.fit_bases`: the last fifth of the
-tokens, text the fit never saw, chooses each layer's rank).
+are what the bases are fitted on, layer by layer (`fit_bases`: the last fifth of the
+tokens, text the fit never saw, chooses each layer's bits).
 
 The default text is the docstrings of a fixed list of standard-library modules and their public members:
 on every machine with Python, offline, and not the text the evaluation's haystacks are cut from (Python's
@@ -116,8 +116,7 @@ def fit_projection(train: torch.Tensor, held_out: torch.Tensor, heads_per_group:
                 break
             candidate = Projection(mean, basis, full.sigma, allocate(variance, budget), factor)
             if (e := error(candidate)) <= max_error or budget == most:
-                if best is None or budget < best[0] or e < best[1]:
-                    best = (budget, e, candidate)
+                best = (budget, e, candidate)  # fewer bits than any earlier widening's: the loop stops short of those
                 break
     assert best is not None
     _, e, chosen = best
@@ -140,7 +139,6 @@ def fit_bases(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], cfg:
             out.append(projection)
             errors[name].append(round(error, 5))
     return LowRankBases(tuple(k_out), tuple(v_out), fingerprint, errors)
-
 
 
 def fit_lowrank_bases(lm: EpisodicLM, cfg: EngineConfig, texts: Iterable[str] | None = None,
