@@ -312,9 +312,10 @@ class LowRankConfig(_Strict):
     bases: str | None = Field(default=None, description="Bases file (from `engramkv fit-bases`) a new lowrank "
                               "store copies; None: those shipped for the model. A store reads its own copy.")
     heads_per_group: int | None = Field(default=None, ge=1, description="KV heads sharing one basis (None: all).")
-    key_error: float = Field(default=0.25, gt=0, lt=1, description="Fit: each layer's keys get the fewest bits "
+    key_error: float = Field(default=0.10, gt=0, lt=1, description="Fit: each layer's keys get the fewest bits "
                              "whose held-out error (relative to the centred keys) is within this.")
-    value_error: float = Field(default=0.25, gt=0, lt=1, description="Fit: the same budget for values.")
+    value_error: float = Field(default=0.40, gt=0, lt=1, description="Fit: the same budget for values (keys need the "
+                               "tighter one: their error compounds through reading, benchmarks/README.md).")
     tokens: int = Field(default=32_768, ge=1024, description="Fit: calibration tokens read (a fifth held out).")
 
 

@@ -2,8 +2,7 @@
 
 The answer after the restart must equal the one the writing process gave before it ended (and, with
 the lossless fp16 codec, the one a store-less session gives). The lowrank store takes the bases shipped in
-the package for the embedded model; its answer must survive the restart, but whether that lossy store still
-answers is a quality question for `benchmarks/` (the README there has the probe).
+the package for the embedded model; its answer must survive the restart and hold the key.
 """
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ def test_an_answer_survives_the_end_of_the_process(tmp_path, codec, default_lm):
     before = _run("write", tmp_path / "store", codec)
     after = _run("read", tmp_path / "store", codec)
     assert after == before and before["events"] > 0
-    if codec != "lowrank":  # lossy past int8: whether it still answers is measured in benchmarks/, not here
-        assert before["key"] in before["answer"]
+    assert before["key"] in before["answer"]  # lowrank too: benchmarks/lowrank_probe.py measures it on more keys
     if codec == "fp16":  # lossless: the same as never storing at all
         context, question, _ = passkey_sample(default_lm.tokenizer, 2500, depth=0.4, seed=11)
         session = default_lm.session(SMALL)
