@@ -32,11 +32,10 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from engramkv.storage.codec import LayerCodec
+from engramkv.storage.codec import F16_MAX, LayerCodec
 
 REPRESENTATIVE_FORMATS = ("f32", "f16", "i8")
 _I8_MAX = 127
-_F16_MAX = 65504.0
 
 
 def representative_nbytes(fmt: str, kv_heads: int, head_dim: int) -> int:
@@ -49,10 +48,10 @@ def encode_representatives(fmt: str, x: np.ndarray, kv_heads: int) -> bytes:  # 
     if fmt == "f32":
         return x.astype("<f4").tobytes()
     if fmt == "f16":
-        return np.clip(x, -_F16_MAX, _F16_MAX).astype("<f2").tobytes()  # past the range it would read back inf
+        return np.clip(x, -F16_MAX, F16_MAX).astype("<f2").tobytes()  # past the range it would read back inf
     n, dim = x.shape
     heads = x.astype(np.float32).reshape(n, kv_heads, dim // kv_heads)  # (N, Hkv, D)
-    scale = np.minimum(np.abs(heads).max(axis=2) / _I8_MAX, _F16_MAX).astype("<f2")  # (N, Hkv)
+    scale = np.minimum(np.abs(heads).max(axis=2) / _I8_MAX, F16_MAX).astype("<f2")  # (N, Hkv)
     step = np.where(scale == 0, 1, scale).astype(np.float32)[..., None]  # codes against the stored scale
     codes = np.clip(np.rint(heads / step), -_I8_MAX, _I8_MAX).astype("i1").reshape(n, dim)
     return np.concatenate([scale.view("u1").reshape(n, -1), codes.view("u1")], axis=1).tobytes()

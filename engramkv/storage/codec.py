@@ -35,7 +35,7 @@ Codec = Literal["fp16", "int8", "int4", "int2"]
 CODECS: tuple[str, ...] = ("fp16", "int8", "int4", "int2")
 
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
-_F16_MAX = 65504.0
+F16_MAX = 65504.0  # the largest float16; KV past it would read back as inf
 
 
 def _check_codec(codec: str) -> None:
@@ -99,7 +99,7 @@ def encode_layers(codec: Codec, keys: torch.Tensor, values: torch.Tensor) -> lis
     k = keys.detach().to("cpu", torch.float32)  # (L, H, T, D)
     v = values.detach().to("cpu", torch.float32)  # (L, H, T, D)
     # NaN compares False, so this also rejects NaN; anything past float16's range would become inf.
-    if not (bool((k.abs() <= _F16_MAX).all()) and bool((v.abs() <= _F16_MAX).all())):
+    if not (bool((k.abs() <= F16_MAX).all()) and bool((v.abs() <= F16_MAX).all())):
         raise ValueError("keys/values hold NaN, inf or values outside the float16 range")
     if codec == "fp16":
         k16, v16 = k.half().numpy(), v.half().numpy()

@@ -53,10 +53,10 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from engramkv.errors import ConfigError, StoreCorruptError
+from engramkv.storage.codec import F16_MAX
 
 FORMATS = {"engramkv-lowrank-1": "f16", "engramkv-lowrank-2": "i8"}  # format -> its representatives (`blob.py`)
 FORMAT = "engramkv-lowrank-2"  # what `fit_bases` writes
-_F16_MAX = 65504.0
 MAX_BITS = 8
 # Max's optimal uniform quantiser of a unit Gaussian with b bits (b = 1..8): its step (its squared error is
 # `lowrank_fit.DISTORTION`). b = 0 codes nothing; its 1 only keeps the arithmetic finite.
@@ -70,7 +70,7 @@ def quantise_latent(z: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor, st
     coded = bits > 0
     u = z.float() / sigma
     rms = ((u * u * coded).sum(-1) / coded.sum(-1).clamp(min=1)).sqrt()  # (..., G)
-    scale = rms.clamp(max=_F16_MAX).half()
+    scale = rms.clamp(max=F16_MAX).half()
     c = u / torch.where(scale == 0, torch.ones_like(scale), scale).float()[..., None]  # against the stored scale
     levels = (1 << bits).float()
     codes = torch.minimum((c / steps + levels / 2).floor_().clamp_(min=0), levels - 1)
@@ -178,7 +178,7 @@ def quantise(z: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     n = math.ceil(r / group)
     padded = torch.nn.functional.pad(z.float(), (0, n * group - r)).view(t, n, group)
     qmax = _qmax(bits)
-    scale = (padded.abs().amax(dim=2) / qmax).clamp(max=_F16_MAX).half()  # (T, n)
+    scale = (padded.abs().amax(dim=2) / qmax).clamp(max=F16_MAX).half()  # (T, n)
     step = torch.where(scale == 0, torch.ones_like(scale), scale).float()[..., None]  # codes against stored scale
     codes = (padded / step).round_().clamp_(-qmax, qmax).view(t, n * group)[:, :r] + qmax
     return codes.to(torch.uint8), scale
@@ -387,7 +387,7 @@ class LowRankCodec:
                 codes = torch.from_numpy(raw.copy())
                 z = dequantise(_unpack4(codes) if self.bases.bits == 4 else codes, scale, self.bases.bits,
                                self.bases.group)
-                out.append(projection.reconstruct(z, self.kv_heads).clamp(-_F16_MAX, _F16_MAX).half())
+                out.append(projection.reconstruct(z, self.kv_heads).clamp(-F16_MAX, F16_MAX).half())
                 continue
             groups, rank, _ = self._read_bases[i].shape
             codes = unpack_bits(raw, projection.bits.flatten(), self._plans[i]).view(t, groups, rank)
@@ -395,5 +395,5 @@ class LowRankCodec:
             grouped = torch.matmul(latent, self._read_bases[i]) + projection.mean[:, None]  # (G, T, gD)
             h = self.kv_heads
             x = grouped.view(groups, t, h // groups, -1).permute(0, 2, 1, 3).reshape(h, t, -1)  # (Hkv, T, D)
-            out.append(x.clamp(-_F16_MAX, _F16_MAX).half())
+            out.append(x.clamp(-F16_MAX, F16_MAX).half())
         return out[0], out[1]
