@@ -355,3 +355,14 @@ def test_each_commit_hands_free_heap_back_unless_turned_off(tmp_path, monkeypatc
             assert len(calls) >= 2  # the two explicit commits at least
         else:
             assert calls == []
+
+
+def test_the_checkpoint_holds_the_resident_state_and_not_the_last_chunks_logits(tmp_path, cfg):
+    _, lm = tiny_pair("llama", cfg)
+    with lm.session(store=tmp_path / "s") as session:
+        session.ingest(_text(500))
+    (checkpoint,) = (tmp_path / "s").rglob("checkpoint-*.pt")
+    logits = torch.load(checkpoint, weights_only=False)["engine"]["last_logits"]
+    # A view of the chunk's (C, V) logits would write all C rows (71 of a 124 MB checkpoint on the embedded model).
+    assert logits.shape == (VOCAB,) and logits.untyped_storage().nbytes() == VOCAB * logits.element_size()
+    lm.close()

@@ -252,7 +252,9 @@ class EpisodicState:
         return logits
 
     def _advance(self, token_ids: torch.Tensor, logits: torch.Tensor, surprise: torch.Tensor) -> None:
-        self.last_logits = logits[-1]
+        # A copy: a view would keep the chunk's whole (C, V) logits alive, and a checkpoint saving it would
+        # write them all (71 MB of a 124 MB checkpoint, measured).
+        self.last_logits = logits[-1].clone()
         self.stream.record(token_ids.cpu(), surprise)
         # In decoding too, so a long reply cannot push positions past the trained length.
         self.stream.seal(self.layers, self.memory)
