@@ -11,7 +11,7 @@ of 256, 64 sinks, 256 local tokens, 512 recalled), so the key must come back fro
                  through the codec (encode, decode): what the error costs when it does not compound
 
 Bases: those shipped for the model (`shipped`) and, for each `--fit KEY/VALUE` pair of error budgets, bases
-fitted in this run on the `engramkv fit-bases` default text (`--fit-tokens` of it, read once).
+fitted in this run on the `engramkv fit-bases` default text (`--fit-tokens` of it, read for each fit).
 
     python benchmarks/lowrank_probe.py [--samples 16] [--fit 0.25/0.25 0.10/0.40]
 
@@ -71,6 +71,11 @@ def main() -> None:
         with lm.session(cfg, store=where, read_only=True) as session:
             return session.generate(question, max_new_tokens=8)
 
+    codecs: dict[str, tuple[LowRankCodec, int]] = {}  # label -> the codec, its code bits per token
+    for label, path in bases.items():
+        loaded = LowRankBases.load(path)
+        codecs[label] = (LowRankCodec(loaded, "probe", spec.num_kv_heads, spec.head_dim),
+                         sum(p.code_bits for p in (*loaded.keys, *loaded.values)))
     rows: dict[str, dict[str, Any]] = {}
 
     def record(system: str, answer: str, key: str, bits: int | None = None) -> None:
@@ -87,10 +92,7 @@ def main() -> None:
         record("ram", session.generate(question, max_new_tokens=8), key)
         exact = session.memory.gather
         for label, path in bases.items():
-            loaded = LowRankBases.load(path)
-            codec = LowRankCodec(loaded, "probe", spec.num_kv_heads, spec.head_dim)
-            bits = sum(p.code_bits for p in (*loaded.keys, *loaded.values))
-
+            codec, bits = codecs[label]
             encoded: dict[int, list[bytes]] = {}  # event id -> its layers' bytes
 
             def lossy(layer: int, event_ids: list[int], codec: LowRankCodec = codec,
@@ -103,8 +105,7 @@ def main() -> None:
                                                                 torch.stack([v for _, v in kv]))
                     n_tokens = session.memory.event(event_id).length
                     blocks.append(codec.decode_layer(layer, encoded[event_id][layer], n_tokens))
-                dtype = lm.model.dtype
-                return tuple(torch.cat([b[j] for b in blocks], dim=1).to(dtype) for j in (0, 1))
+                return tuple(torch.cat([b[j] for b in blocks], dim=1).to(lm.model.dtype) for j in (0, 1))
 
             # A diagnostic, not an engine path: the answer alone reads the memory through the codec.
             session.memory.gather = lossy
