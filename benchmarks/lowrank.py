@@ -41,7 +41,7 @@ def main() -> None:
     from engramkv.config import LowRankConfig
     from engramkv.lowrank_fit import fit_bases, stdlib_docstrings
     from engramkv.storage.codec import QuantCodec
-    from engramkv.storage.lowrank import LowRankCodec
+    from engramkv.storage.lowrank_codec import LowRankCodec
     from engramkv.tasks import haystack
 
     lm = EpisodicLM.from_pretrained()

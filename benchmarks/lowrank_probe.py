@@ -43,7 +43,8 @@ def main() -> None:
     from engramkv import EngineConfig, EpisodicLM
     from engramkv.config import LowRankConfig, RecallConfig, StoreConfig, WindowConfig
     from engramkv.lowrank_fit import fit_lowrank_bases
-    from engramkv.storage.lowrank import LowRankBases, LowRankCodec
+    from engramkv.storage.lowrank import LowRankBases
+    from engramkv.storage.lowrank_codec import LowRankCodec
     from engramkv.storage.store import shipped_bases
 
     small = EngineConfig(window=WindowConfig(chunk_size=256, n_sink=64, n_local=256),

@@ -317,6 +317,10 @@ class LowRankConfig(_Strict):
     value_error: float = Field(default=0.40, gt=0, lt=1, description="Fit: the same budget for values (keys need the "
                                "tighter one: their error compounds through reading, benchmarks/README.md).")
     tokens: int = Field(default=32_768, ge=1024, description="Fit: calibration tokens read (a fifth held out).")
+    weight_keys: bool = Field(default=True, description="Fit: weigh key dimensions by the queries' energy on "
+                              "them, so the error budget is of what attention scores see.")
+    weight_values: bool = Field(default=True, description="Fit: weigh value dimensions by the output "
+                                "projection's column norms, so the budget is of what leaves attention.")
 
 
 class StoreConfig(_Strict):

@@ -233,6 +233,45 @@ def install_episodic_attention(model: PreTrainedModel) -> Rope:
     return rope
 
 
+class QueryEnergy:
+    """Sums, while `recording`, every forward's pre-RoPE queries squared: per layer (Hq, D) over the tokens read
+    (forward hooks on each layer's q_proj). What the lowrank fit weights key dimensions by."""
+
+    def __init__(self, model: PreTrainedModel):
+        self._projections = [layer.self_attn.q_proj for layer in model.model.layers]
+        spec = model_spec(model, "")
+        self._shape = (spec.num_heads, spec.head_dim)
+        self.sums = [torch.zeros(self._shape, dtype=torch.float64) for _ in self._projections]
+        self.tokens = 0
+
+    @contextlib.contextmanager
+    def recording(self) -> Any:
+        def add(layer: int) -> Any:
+            def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:  # out (B, T, Hq D)
+                self.sums[layer] += out.detach().double().pow(2).sum(dim=(0, 1)).view(self._shape).cpu()
+                if layer == 0:
+                    self.tokens += out.shape[0] * out.shape[1]
+            return hook
+
+        handles = [p.register_forward_hook(add(i)) for i, p in enumerate(self._projections)]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def means(self) -> list[torch.Tensor]:  # per layer (Hq, D) float32: E[q^2]
+        return [(s / max(self.tokens, 1)).float() for s in self.sums]
+
+
+def output_column_energy(model: PreTrainedModel) -> list[torch.Tensor]:
+    """Per layer (Hq, D): the squared norm of each column of the output projection (o_proj reads the heads'
+    outputs concatenated), what a value dimension's error is multiplied by on its way out of attention."""
+    spec = model_spec(model, "")
+    return [layer.self_attn.o_proj.weight.detach().float().pow(2).sum(0).view(spec.num_heads, spec.head_dim).cpu()
+            for layer in model.model.layers]
+
+
 @torch.inference_mode()
 def forward(
     model: PreTrainedModel, input_ids: torch.Tensor, state: AttentionState, logits_to_keep: int = 0

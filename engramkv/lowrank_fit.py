@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from engramkv import hf
 from engramkv.config import EngineConfig, LowRankConfig
 from engramkv.errors import ConfigError, InputError
 from engramkv.lm import EpisodicLM
@@ -75,12 +76,13 @@ def allocate(variance: torch.Tensor, budget: int) -> torch.Tensor:
     return torch.bincount(best // MAX_BITS, minlength=variance.numel()).view(variance.shape)
 
 
-def fit_projection(train: torch.Tensor, held_out: torch.Tensor, heads_per_group: int, max_error: float
-                   ) -> tuple[Projection, float]:
-    """One layer's projection for K or V samples (H, N, D) each: per head group the mean and the principal
-    directions of the train samples; bits per direction (`allocate`) for the least budget, a multiple of
-    `BUDGET_STEP` bits, and the step widening, whose relative error on the held-out samples
-    (||x - x_hat|| / ||x - mean||) is within `max_error`, else 8 bits a direction. Returns it and that error."""
+def fit_projection(train: torch.Tensor, held_out: torch.Tensor, heads_per_group: int, max_error: float,
+                   weight: torch.Tensor | None = None) -> tuple[Projection, float]:
+    """One layer's projection for K or V samples (H, N, D) each, every dimension multiplied by its `weight`
+    (H, D) (default 1): per head group the mean and the principal directions of the weighted train samples;
+    bits per direction (`allocate`) for the least budget, a multiple of `BUDGET_STEP` bits, and the step
+    widening, whose relative error on the held-out samples (||w (x - x_hat)|| / ||w (x - mean)||) is within
+    `max_error`, else 8 bits a direction. Returns it and that error."""
     h, _, d = train.shape
     if h % heads_per_group:
         raise ConfigError(f"lowrank.heads_per_group {heads_per_group} does not divide {h} KV heads")
@@ -89,21 +91,22 @@ def fit_projection(train: torch.Tensor, held_out: torch.Tensor, heads_per_group:
     def grouped(x: torch.Tensor) -> torch.Tensor:  # (H, N, D) -> (G, N, g D)
         return x.float().reshape(groups, heads_per_group, x.shape[1], d).permute(0, 2, 1, 3).reshape(groups, -1, width)
 
+    w = grouped(torch.ones(h, 1, d) if weight is None else weight[:, None].float())[:, 0]  # (G, g D)
     x = grouped(train)
     mean = x.mean(dim=1)  # (G, g D)
     # The principal directions as eigenvectors of the covariance: a full basis even with fewer samples than
     # dimensions, and no (N, N) factor.
-    centred = (x - mean[:, None]).double()
+    centred = ((x - mean[:, None]) * w[:, None]).double()
     eigenvalues, eigenvectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)  # ascending
     basis = eigenvectors.flip(-1).float().contiguous()  # (G, g D, g D), largest variance first
     variance = (eigenvalues.flip(-1) / x.shape[1]).float()  # (G, g D)
     # Directions the train samples hardly span still get a deviation: whitening by ~0 would let one held-out
     # component swamp a token's scale.
     variance = variance.clamp(min=float(variance.max()) * 1e-4 + 1e-12)
-    full = Projection(mean, basis, variance.sqrt(), torch.zeros_like(variance, dtype=torch.int64))
+    full = Projection(mean, basis, variance.sqrt(), torch.zeros_like(variance, dtype=torch.int64), weight=w)
     y = held_out.float()
     z = full.project(y)  # (T, G gD): the basis is complete, so the error is the latent's
-    norm = float((grouped(y) - mean[:, None]).norm()) or 1.0
+    norm = float(((grouped(y) - mean[:, None]) * w[:, None]).norm()) or 1.0
 
     def error(projection: Projection) -> float:
         return float((projection.decode(*projection.encode(z)) - z).norm()) / norm
@@ -114,7 +117,7 @@ def fit_projection(train: torch.Tensor, held_out: torch.Tensor, heads_per_group:
         for budget in [*range(BUDGET_STEP, most, BUDGET_STEP), most]:
             if best is not None and budget >= best[0]:
                 break
-            candidate = Projection(mean, basis, full.sigma, allocate(variance, budget), factor)
+            candidate = Projection(mean, basis, full.sigma, allocate(variance, budget), factor, w)
             if (e := error(candidate)) <= max_error or budget == most:
                 best = (budget, e, candidate)  # fewer bits than any earlier widening's: the loop stops short of those
                 break
@@ -122,20 +125,43 @@ def fit_projection(train: torch.Tensor, held_out: torch.Tensor, heads_per_group:
     _, e, chosen = best
     keep = int((chosen.bits > 0).sum(0).nonzero().max()) + 1 if chosen.code_bits else 1  # directions any group codes
     return Projection(mean, basis[:, :, :keep].contiguous(), chosen.sigma[:, :keep].contiguous(),
-                      chosen.bits[:, :keep].contiguous(), chosen.step), e
+                      chosen.bits[:, :keep].contiguous(), chosen.step, w), e
+
+
+def attention_weights(query_energy: torch.Tensor, column_energy: torch.Tensor, kv_heads: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's key and value weights (Hkv, D) each from its queries' E[q^2] and its output projection's
+    squared column norms (Hq, D) each: the square root of the energy that reads the dimension, summed over
+    the query heads sharing the KV head, for keys over the dimension's rotary pair (d, d + D/2: `hf.Rope`),
+    scaled to a mean square of 1 and held at 1/20 of that or more (a dimension nothing reads still gets
+    some bits, and read back, its error divided by the weight stays finite)."""
+    hq, d = query_energy.shape
+
+    def weight(energy: torch.Tensor) -> torch.Tensor:
+        per_kv = energy.double().view(kv_heads, hq // kv_heads, d).sum(1)
+        w = (per_kv / per_kv.mean().clamp(min=1e-30)).sqrt()
+        return w.clamp(min=0.05).float()
+
+    half = d // 2
+    pair = (query_energy[:, :half] + query_energy[:, half:]) / 2
+    return weight(torch.cat([pair, pair], dim=1)), weight(column_energy)
 
 
 def fit_bases(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], cfg: LowRankConfig,
-              fingerprint: dict[str, Any], held_out: float = 0.2) -> LowRankBases:
+              fingerprint: dict[str, Any], held_out: float = 0.2,
+              weights: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> LowRankBases:
     """Bases for every layer from calibration KV (H, N, D) per layer (N tokens in reading order): the last
-    `held_out` share of the tokens chooses the bits, the rest fits the bases."""
+    `held_out` share of the tokens chooses the bits, the rest fits the bases. `weights`: per layer (key,
+    value) weights (H, D) (`attention_weights`), used where `cfg.weight_keys` / `cfg.weight_values` say."""
     k_out, v_out, errors = [], [], {"keys": [], "values": []}
-    for k, v in zip(keys, values):
+    for layer, (k, v) in enumerate(zip(keys, values)):
         cut = int(k.shape[1] * (1 - held_out))
         if cut < 1 or cut >= k.shape[1]:
             raise ConfigError(f"{k.shape[1]} calibration tokens are too few to fit and hold out")
-        for x, budget, out, name in ((k, cfg.key_error, k_out, "keys"), (v, cfg.value_error, v_out, "values")):
-            projection, error = fit_projection(x[:, :cut], x[:, cut:], cfg.heads_per_group or x.shape[0], budget)
+        k_weight, v_weight = weights[layer] if weights is not None else (None, None)
+        for x, budget, w, out, name in ((k, cfg.key_error, k_weight if cfg.weight_keys else None, k_out, "keys"),
+                                        (v, cfg.value_error, v_weight if cfg.weight_values else None, v_out, "values")):
+            projection, error = fit_projection(x[:, :cut], x[:, cut:], cfg.heads_per_group or x.shape[0], budget, w)
             out.append(projection)
             errors[name].append(round(error, 5))
     return LowRankBases(tuple(k_out), tuple(v_out), fingerprint, errors)
@@ -151,13 +177,15 @@ def fit_lowrank_bases(lm: EpisodicLM, cfg: EngineConfig, texts: Iterable[str] | 
     lowrank = cfg.store.lowrank
     say = progress or (lambda line: None)
     session = lm.session(cfg.with_allocation_mode("fixed"))
+    queries = hf.QueryEnergy(lm.model)
     try:
         read = 0
         for text in texts if texts is not None else stdlib_docstrings():
             ids = lm.tokenizer.encode("\n\n" + text, add_special_tokens=False)[: lowrank.tokens - read]
             if not ids:
                 continue
-            session.ingest_ids(ids)
+            with queries.recording():
+                session.ingest_ids(ids)
             read += len(ids)
             say(f"read {read:,} / {lowrank.tokens:,} calibration tokens")
             if read >= lowrank.tokens:
@@ -172,6 +200,8 @@ def fit_lowrank_bases(lm: EpisodicLM, cfg: EngineConfig, texts: Iterable[str] | 
             keys.append(k.float())
             values.append(v.float())
         say(f"fitting {lm.spec.num_layers} layers on {keys[0].shape[1]:,} tokens of {len(memory)} events")
-        return fit_bases(keys, values, lowrank, lm.spec.model_dump())
+        weights = [attention_weights(q, o, lm.spec.num_kv_heads)
+                   for q, o in zip(queries.means(), hf.output_column_energy(lm.model))]
+        return fit_bases(keys, values, lowrank, lm.spec.model_dump(), weights=weights)
     finally:
         session.close()

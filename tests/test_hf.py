@@ -4,7 +4,8 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from engramkv import EngineConfig
-from engramkv.hf import ATTENTION_NAME, Rope, _DeferredRotary, install_episodic_attention, model_spec
+from engramkv.hf import (ATTENTION_NAME, QueryEnergy, Rope, _DeferredRotary, install_episodic_attention, model_spec,
+                         output_column_energy)
 
 from conftest import tiny_model
 
@@ -72,3 +73,28 @@ def test_identity_rotation_is_skipped_but_plain_models_still_rotate():
     d_cos, d_sin = patched.model.rotary_emb(q, torch.arange(6)[None])
     same_q, same_k = modeling.apply_rotary_pos_emb(q, k, d_cos, d_sin)
     assert same_q is q and same_k is k
+
+
+def test_query_energy_sums_each_layers_queries_squared_while_recording():
+    model = tiny_model("llama")
+    spec = model_spec(model, "")
+    energy = QueryEnergy(model)
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    seen = []
+    handle = model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda m, a, out: seen.append(out))
+    with energy.recording():
+        model(input_ids=ids)
+    handle.remove()
+    model(input_ids=ids)  # not recording: not counted
+    assert energy.tokens == 12 and len(energy.means()) == spec.num_layers
+    expected = seen[0][0].double().pow(2).mean(0).view(spec.num_heads, spec.head_dim).float()
+    torch.testing.assert_close(energy.means()[1], expected)
+
+
+def test_output_column_energy_is_the_squared_norms_of_o_proj_columns_per_head():
+    model = tiny_model("llama")
+    spec = model_spec(model, "")
+    energy = output_column_energy(model)
+    weight = model.model.layers[0].self_attn.o_proj.weight  # (hidden, Hq D)
+    assert energy[0].shape == (spec.num_heads, spec.head_dim)
+    torch.testing.assert_close(energy[0][1, 2], weight[:, spec.head_dim + 2].float().pow(2).sum())

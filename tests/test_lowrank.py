@@ -3,6 +3,7 @@ take, keep and check their bases."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -14,8 +15,8 @@ from engramkv import EngineConfig
 from engramkv.config import LowRankConfig, RecallConfig, SegmentationConfig, StoreConfig, WindowConfig
 from engramkv.errors import ConfigError, StoreCorruptError
 from engramkv import fit_lowrank_bases
-from engramkv.lowrank_fit import allocate, fit_bases, fit_projection, stdlib_docstrings
-from engramkv.storage import lowrank
+from engramkv.lowrank_fit import allocate, attention_weights, fit_bases, fit_projection, stdlib_docstrings
+from engramkv.storage import lowrank, lowrank_codec
 from engramkv.storage.blob import BlobLayout
 from engramkv.storage.store import BASES_FILE
 
@@ -53,6 +54,37 @@ def test_project_and_reconstruct_are_inverse_at_full_rank(heads_per_group):
     assert error < 0.03  # what 8-bit codes cost
 
 
+def test_a_weighted_fit_spends_its_bits_where_the_weight_is():
+    x = torch.randn(H, 600, D, generator=torch.Generator().manual_seed(4))  # every dimension alike
+    weight = torch.ones(H, D)
+    weight[:, :4] = 8.0  # what reads these four dims is 8x as sensitive to their error
+    plain, _ = fit_projection(x[:, :500], x[:, 500:], H, max_error=0.2)
+    weighted, error = fit_projection(x[:, :500], x[:, 500:], H, max_error=0.2, weight=weight)
+    assert error <= 0.2 and weighted.weight is not None
+
+    def heavy_error(p: lowrank.Projection) -> float:  # relative error on the four weighted dims, read back
+        back = p.reconstruct(p.decode(*p.encode(p.project(x[:, 500:]))), H)
+        return float((back - x[:, 500:])[..., :4].norm() / x[:, 500:, :4].norm())
+
+    assert heavy_error(weighted) < 0.5 * heavy_error(plain)
+    full, _ = fit_projection(x[:, :500], x[:, 500:], H, max_error=1e-9, weight=weight)  # complete: exact inverse
+    assert torch.allclose(full.reconstruct(full.project(x), H), x, atol=1e-4)
+
+
+def test_attention_weights_pair_the_rotary_halves_and_sum_a_query_group():
+    hq, kv, d = 4, 2, 8
+    queries = torch.zeros(hq, d)
+    queries[0, 1] = 4.0  # head 0 (KV head 0) reads dim 1 only: its rotary pair is dims 1 and 5
+    columns = torch.ones(hq, d)
+    columns[2:] = 3.0  # KV head 1's query heads write out through columns 3x as large
+    k_weight, v_weight = attention_weights(queries, columns, kv)
+    assert k_weight.shape == v_weight.shape == (kv, d)
+    assert k_weight[0, 1] == k_weight[0, 5] and k_weight[0, 1] > 1
+    assert float(k_weight.min()) == pytest.approx(0.05)  # nothing reads the rest: held at the floor
+    assert float(v_weight[1, 0] / v_weight[0, 0]) == pytest.approx(3 ** 0.5)
+    assert float(v_weight.pow(2).mean()) == pytest.approx(1.0)
+
+
 def test_bits_go_where_the_variance_is():
     variance = torch.tensor([[16.0, 4.0, 1.0, 0.25, 0.0]])
     bits = allocate(variance, 10)
@@ -65,28 +97,40 @@ def test_codes_of_any_widths_pack_and_unpack():
     g = torch.Generator().manual_seed(3)
     bits = torch.tensor([8, 5, 3, 3, 1, 0, 2, 0])
     codes = (torch.rand(6, 8, generator=g) * (1 << bits)).long()
-    packed = lowrank.pack_bits(codes, bits)
-    assert packed.shape == (6, math.ceil(22 / 8)) and packed.dtype == np.uint8
-    assert torch.equal(lowrank.unpack_bits(packed, bits).long(), codes)
+    # each direction's low `bits` bits, least-significant first, direction after direction
+    stream = [(int(c) >> i) & 1 for row in codes for c, b in zip(row, bits) for i in range(int(b))]
+    packed = np.packbits(np.array(stream, np.uint8).reshape(6, 22), axis=1, bitorder="little")
+    assert torch.equal(lowrank_codec.unpack_bits(packed, bits).long(), codes)
 
 
 def test_quantise_round_trips_within_half_a_step():
     z = torch.randn(9, 37, generator=torch.Generator().manual_seed(2)) * 4
     for bits in (4, 8):
-        codes, scale = lowrank.quantise(z, bits, group=16)
+        codes, scale = lowrank_codec.quantise(z, bits, group=16)
         assert codes.dtype == torch.uint8 and scale.shape == (9, math.ceil(37 / 16))
         assert int(codes.max()) <= 2 * (2 ** (bits - 1) - 1)
-        back = lowrank.dequantise(codes, scale, bits, group=16)
+        back = lowrank_codec.dequantise(codes, scale, bits, group=16)
         step = scale.float().repeat_interleave(16, dim=1)[:, :37]
         assert bool(((back - z).abs() <= step / 2 + 1e-3).all())
     zero = torch.zeros(2, 8)
-    assert torch.equal(lowrank.dequantise(*lowrank.quantise(zero, 4, 8), 4, 8), zero)
+    assert torch.equal(lowrank_codec.dequantise(*lowrank_codec.quantise(zero, 4, 8), 4, 8), zero)
 
 
 def _bases(rank: int = 16) -> lowrank.LowRankBases:
     layers = [low_rank_kv(400, rank, seed=s) for s in range(3)]
     cfg = LowRankConfig(key_error=0.1, value_error=0.1)
     return fit_bases(layers, [x * 0.5 for x in layers], cfg, {"model_id": "synthetic"})
+
+
+def _bases_of(fmt: str) -> lowrank.LowRankBases:
+    """Bases as a fit of format `fmt` wrote them (format 2: no weights, every dimension counts the same)."""
+    if fmt == "engramkv-lowrank-1":
+        return _bases_v1()
+    bases = _bases()
+    if fmt == "engramkv-lowrank-2":
+        bases = dataclasses.replace(bases, format=fmt, keys=tuple(dataclasses.replace(p, weight=None) for p in bases.keys),
+                                    values=tuple(dataclasses.replace(p, weight=None) for p in bases.values))
+    return bases
 
 
 def _bases_v1(bits: int = 4, rank: int = 16) -> lowrank.LowRankBases:
@@ -101,16 +145,16 @@ def _bases_v1(bits: int = 4, rank: int = 16) -> lowrank.LowRankBases:
                                 {"model_id": "synthetic"}, {"keys": [], "values": []}, "engramkv-lowrank-1", bits, 8)
 
 
-@pytest.mark.parametrize("fmt", ["v1-4", "v1-8", "v2"])
+@pytest.mark.parametrize("fmt", ["v1-4", "v1-8", "v2", "v3"])
 def test_the_codec_writes_what_layer_nbytes_says_and_reads_it_back(fmt):
-    bases = _bases() if fmt == "v2" else _bases_v1(int(fmt[-1]))
-    codec = lowrank.LowRankCodec(bases, "lowrank:00000000", H, D)
+    bases = _bases_of(f"engramkv-lowrank-{fmt[1]}") if fmt in ("v2", "v3") else _bases_v1(int(fmt[-1]))
+    codec = lowrank_codec.LowRankCodec(bases, "lowrank:00000000", H, D)
     keys = torch.stack([low_rank_kv(400, 16, seed=s)[:, 390:] for s in range(3)])  # (L, H, T=10, D)
     values = keys * 0.5
     encoded = codec.encode_layers(keys, values)
     for layer, buf in enumerate(encoded):
         k_part, v_part = bases.keys[layer], bases.values[layer]
-        if fmt == "v2":
+        if fmt in ("v2", "v3"):
             expected = sum(10 * (2 + math.ceil(p.code_bits / 8)) for p in (k_part, v_part))
         else:
             expected = sum(10 * (2 * math.ceil(p.latent / 8) + p.latent * bases.bits // 8) for p in (k_part, v_part))
@@ -131,8 +175,8 @@ def test_the_codec_writes_what_layer_nbytes_says_and_reads_it_back(fmt):
 
 @pytest.mark.parametrize("fmt", sorted(lowrank.FORMATS))
 def test_a_blob_of_the_lowrank_codec_round_trips_with_its_formats_representatives(fmt):
-    bases = _bases() if fmt == lowrank.FORMAT else _bases_v1()
-    codec = lowrank.LowRankCodec(bases, "lowrank:00000000", H, D)
+    bases = _bases_of(fmt)
+    codec = lowrank_codec.LowRankCodec(bases, "lowrank:00000000", H, D)
     layout = BlobLayout(codec, 3, H, D)
     keys = torch.stack([low_rank_kv(400, 16, seed=s)[:, :7] for s in range(3)])
     reps = torch.randn(3, H * D).numpy()
@@ -149,13 +193,23 @@ def test_a_blob_of_the_lowrank_codec_round_trips_with_its_formats_representative
                               layout.representatives(blob, 7)[layer])
 
 
+@pytest.mark.parametrize("fmt", ["engramkv-lowrank-2", "engramkv-lowrank-3"])
+def test_bases_of_the_second_and_third_format_round_trip_with_or_without_weights(fmt):
+    bases = _bases_of(fmt)
+    again = lowrank.LowRankBases.from_bytes(bases.to_bytes(), "here")
+    assert again.format == fmt
+    for a, b in zip(again.keys + again.values, bases.keys + bases.values):
+        assert (a.weight is None) == (fmt == "engramkv-lowrank-2") and (b.weight is None) == (a.weight is None)
+        assert a.weight is None or torch.equal(a.weight, b.weight)
+
+
 def test_bases_of_the_first_format_still_read_and_keep_float16_representatives():
     old = _bases_v1(bits=8)
     again = lowrank.LowRankBases.from_bytes(old.to_bytes(), "old")
     assert again.format == "engramkv-lowrank-1" and again.bits == 8 and again.group == 8
     assert again.keys[0].bits is None and torch.equal(again.keys[0].basis, old.keys[0].basis)
-    assert lowrank.LowRankCodec(again, "lowrank:00000000", H, D).representatives == "f16"
-    assert lowrank.LowRankCodec(_bases(), "lowrank:00000000", H, D).representatives == "i8"  # what a fit writes
+    assert lowrank_codec.LowRankCodec(again, "lowrank:00000000", H, D).representatives == "f16"
+    assert lowrank_codec.LowRankCodec(_bases(), "lowrank:00000000", H, D).representatives == "i8"  # what a fit writes
 
 
 def test_the_bases_file_round_trips_and_a_damaged_one_is_refused(tmp_path):

@@ -19,7 +19,7 @@ Layout of one layer (H = KV heads, T = tokens, D = head dim; all little-endian, 
 The float16 parameters come first so they stay 2-byte aligned relative to the buffer start
 whatever the (possibly odd) length of the codes.
 
-A blob reads its KV through `LayerCodec`, which these codecs (`QuantCodec`) and `lowrank.LowRankCodec`
+A blob reads its KV through `LayerCodec`, which these codecs (`QuantCodec`) and `lowrank_codec.LowRankCodec`
 implement.
 """
 

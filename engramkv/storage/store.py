@@ -42,6 +42,7 @@ from engramkv.spec import ModelSpec
 from engramkv.storage import catalog as cat
 from engramkv.storage import lowrank
 from engramkv.storage.codec import LayerCodec, QuantCodec
+from engramkv.storage.lowrank_codec import LowRankCodec
 from engramkv.storage.durable import replace_durably
 from engramkv.storage.namespace import NamespaceMemory, dir_bytes
 
@@ -186,7 +187,7 @@ class EventStore:
             raise StoreCorruptError(f"{path} is not the bases this store was written with (digest "
                                     f"{lowrank.digest(data)}, the catalog records {name.split(':')[1]})")
         bases = lowrank.LowRankBases.from_bytes(data, str(path))
-        return lowrank.LowRankCodec(bases, name, spec.num_kv_heads, spec.head_dim)
+        return LowRankCodec(bases, name, spec.num_kv_heads, spec.head_dim)
 
     # ------------------------------------------------------------------ namespaces
     def namespace(

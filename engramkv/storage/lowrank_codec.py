@@ -1,0 +1,184 @@
+"""The `lowrank` codec itself (`codec.LayerCodec`): one event's layers to bytes and back, over the bases and
+in the formats `storage.lowrank` defines; format 1's group codes and format 2's bit packing."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from engramkv.storage.codec import F16_MAX
+from engramkv.storage.lowrank import FORMATS, MAX_BITS, LowRankBases, quantise_latent
+
+# ------------------------------------------------------------------------------------- format 2: packing bits
+def unpack_bits(packed: np.ndarray, bits: torch.Tensor, plan: UnpackPlan | None = None) -> torch.Tensor:
+    """(T, ceil(sum bits / 8)) uint8 -> codes (T, R) float32 (whole numbers; 0 where a direction has no bits)."""
+    coded, starts, weights, width = plan if plan is not None else unpack_plan(bits)
+    stream = np.unpackbits(packed, axis=1, count=len(weights), bitorder="little")  # (T, sum bits)
+    codes = np.zeros((packed.shape[0], width), np.float32)
+    if len(coded):
+        codes[:, coded] = np.add.reduceat(stream * weights, starts, axis=1)  # each direction's bits, weighted
+    return torch.from_numpy(codes)
+
+
+UnpackPlan = tuple[np.ndarray, np.ndarray, np.ndarray, int]  # coded directions, their first bits, bit weights, R
+
+
+def unpack_plan(bits: torch.Tensor) -> UnpackPlan:
+    """What `unpack_bits` needs of `bits` (R,), worked out once per part by a codec."""
+    widths = bits.numpy().astype(np.int64)
+    coded = np.nonzero(widths)[0]
+    starts = np.concatenate([[0], np.cumsum(widths[coded])[:-1]]).astype(np.int64)
+    weights = np.exp2(np.arange(int(widths.sum())) - np.repeat(starts, widths[coded])).astype(np.float32)
+    return coded, starts, weights, len(widths)
+
+
+def _plane_mask(bits: torch.Tensor) -> np.ndarray:  # (R, 8) bool: which bit planes of each direction are stored
+    return np.arange(MAX_BITS) < bits.numpy()[:, None]
+
+
+# ------------------------------------------------------------------------------------- format 1: group codes
+def _qmax(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def quantise(z: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, R) float -> (codes (T, R) uint8 holding code + qmax, scales (T, ceil(R / group)) float16)."""
+    t, r = z.shape
+    n = math.ceil(r / group)
+    padded = torch.nn.functional.pad(z.float(), (0, n * group - r)).view(t, n, group)
+    qmax = _qmax(bits)
+    scale = (padded.abs().amax(dim=2) / qmax).clamp(max=F16_MAX).half()  # (T, n)
+    step = torch.where(scale == 0, torch.ones_like(scale), scale).float()[..., None]  # codes against stored scale
+    codes = (padded / step).round_().clamp_(-qmax, qmax).view(t, n * group)[:, :r] + qmax
+    return codes.to(torch.uint8), scale
+
+
+def dequantise(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int) -> torch.Tensor:  # (T, R) float32
+    t, r = codes.shape
+    n = scale.shape[1]
+    signed = torch.nn.functional.pad(codes.float() - _qmax(bits), (0, n * group - r)).view(t, n, group)
+    return (signed * scale.float()[..., None]).view(t, n * group)[:, :r]
+
+
+def _pack4(codes: torch.Tensor) -> torch.Tensor:  # (T, R) uint8 < 16, R even -> (T, R / 2)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def _unpack4(packed: torch.Tensor) -> torch.Tensor:  # (T, R / 2) -> (T, R)
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+
+class LowRankCodec:
+    """`codec.LayerCodec` over fitted bases; `name` is what the catalog records ("lowrank:" + digest).
+
+    Format 2 encodes an event's layers at once: keys and values of every layer as 2L parts padded to the
+    widest basis (padding has no bits, so it writes nothing), one einsum and one quantisation; an event is
+    written while the model reads on, so a loop of 60 small calls per event would cost about a sixth of ingest.
+    """
+
+    def __init__(self, bases: LowRankBases, name: str, kv_heads: int, head_dim: int):
+        self.bases, self.name, self.kv_heads, self.head_dim = bases, name, kv_heads, head_dim
+        self.representatives = FORMATS[bases.format]
+        self._v1 = bases.format == "engramkv-lowrank-1"
+        self._parts = parts = [*bases.keys, *bases.values]  # part i: layer i's keys, i + L its values
+        self._sizes = [(2 * math.ceil(p.latent / bases.group), p.latent * bases.bits // 8) if self._v1 else
+                       (2 * p.basis.shape[0], math.ceil(p.code_bits / 8)) for p in parts]  # per token: scale, code bytes
+        if self._v1:
+            return
+        rank = max(p.basis.shape[2] for p in parts)
+
+        def padded(x: torch.Tensor, value: float) -> torch.Tensor:  # (..., r) -> (..., rank)
+            return torch.nn.functional.pad(x, (0, rank - x.shape[-1]), value=value)
+
+        self._mean = torch.stack([p.mean for p in parts])  # (2L, G, gD)
+        self._basis = torch.stack([padded(p.into, 0.0) for p in parts])  # (2L, G, gD, R)
+        self._sigma = torch.stack([padded(p.sigma, 1.0) for p in parts])[:, None]  # (2L, 1, G, R)
+        self._bits = torch.stack([padded(p.bits, 0) for p in parts])[:, None]
+        self._steps = torch.stack([padded(p.steps, 1.0) for p in parts])[:, None]
+        self._plans = [unpack_plan(p.bits.flatten()) for p in parts]
+        # Reading folds the dequantisation into the basis: x = scale (codes - centre) (step sigma basis)^T + mean.
+        self._centres = [(1 << p.bits).float() / 2 - 0.5 for p in parts]  # (G, r)
+        self._read_bases = [(p.out_of * (p.steps * (p.bits > 0) * p.sigma)[..., None]).contiguous()
+                            for p in parts]  # (G, r, gD)
+        # One gather takes every part's stored bit planes out of (2L, G R, 8) planes (and a zero plane past
+        # them), each part padded with zero planes to whole bytes, so one packbits writes all parts' codes.
+        where, self._code_at = [], [0]
+        for i, bits in enumerate(self._bits[:, 0]):
+            mask = _plane_mask(bits.flatten())  # (G R, 8)
+            (first,) = np.nonzero(mask.ravel())
+            where += [first + i * mask.size, np.full(-len(first) % 8, len(parts) * mask.size)]
+            self._code_at.append(self._code_at[-1] + math.ceil(len(first) / 8))
+        self._gather = np.concatenate(where)
+
+    def layer_nbytes(self, layer: int, n_tokens: int) -> int:
+        return n_tokens * sum(sum(self._sizes[i]) for i in (layer, layer + len(self.bases.keys)))
+
+    def encode_layers(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes]:
+        """keys, values: (L, Hkv, T, D) -> one layer's bytes per layer."""
+        n_layers = len(self.bases.keys)
+        if keys.dim() != 4 or keys.shape != values.shape or keys.shape[0] != n_layers:
+            raise ValueError(f"keys and values must share one ({n_layers}, Hkv, T, D) shape, got "
+                             f"{tuple(keys.shape)} and {tuple(values.shape)}")
+        x = torch.cat([keys, values]).detach().to("cpu", torch.float32)  # (2L, H, T, D)
+        if not math.isfinite(float(x.sum())):  # NaN or inf anywhere reaches the sum
+            raise ValueError("keys/values hold NaN or inf")
+        if self._v1:
+            return self._encode_v1(x)
+        n, h, t, d = x.shape
+        groups = self._mean.shape[1]
+        grouped = x.reshape(n, groups, h // groups, t, d).permute(0, 1, 3, 2, 4).reshape(n, groups, t, -1)
+        z = torch.einsum("ngtf,ngfr->ntgr", grouped - self._mean[:, :, None], self._basis)  # (2L, T, G, R)
+        scale, codes = quantise_latent(z, self._sigma, self._bits, self._steps)
+        planes = np.unpackbits(codes.numpy().reshape(n, t, -1)[..., None], axis=3, bitorder="little")  # (2L, T, GR, 8)
+        planes = np.concatenate([planes.transpose(1, 0, 2, 3).reshape(t, -1), np.zeros((t, 1), np.uint8)], axis=1)
+        packed = np.packbits(planes[:, self._gather], axis=1, bitorder="little")  # (T, all parts' code bytes)
+        scales, at = scale.numpy().astype("<f2"), self._code_at
+        return [b"".join([scales[k].tobytes(), scales[k + n_layers].tobytes(), packed[:, at[k] : at[k + 1]].tobytes(),
+                          packed[:, at[k + n_layers] : at[k + n_layers + 1]].tobytes()]) for k in range(n_layers)]
+
+    def _encode_v1(self, x: torch.Tensor) -> list[bytes]:
+        n_layers, out = len(self.bases.keys), []
+        for layer in range(n_layers):
+            scales, codes = [], []
+            for i in (layer, layer + n_layers):
+                projection = self._parts[i]
+                c, s = quantise(projection.project(x[i]), self.bases.bits, self.bases.group)
+                codes.append((_pack4(c) if self.bases.bits == 4 else c).numpy().tobytes())
+                scales.append(s.numpy().astype("<f2").tobytes())
+            out.append(b"".join(scales + codes))
+        return out
+
+    def decode_layer(self, layer: int, buffer: bytes | memoryview, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values), each float16 (Hkv, T, D)."""
+        buf = memoryview(buffer).cast("B")
+        n = self.layer_nbytes(layer, n_tokens)
+        if buf.nbytes != n:
+            raise ValueError(f"lowrank layer {layer} of {n_tokens} tokens needs {n} bytes, got {buf.nbytes}")
+        t, parts = n_tokens, (layer, layer + len(self.bases.keys))
+        at, scales = 0, []
+        for i in parts:
+            count = t * self._sizes[i][0] // 2
+            scales.append(torch.from_numpy(np.frombuffer(buf, "<f2", count, at).astype("f4")).view(t, -1))
+            at += 2 * count
+        out = []
+        for i, scale in zip(parts, scales):
+            projection = self._parts[i]
+            raw = np.frombuffer(buf, "u1", t * self._sizes[i][1], at).reshape(t, -1)
+            at += raw.size
+            if self._v1:
+                codes = torch.from_numpy(raw.copy())
+                z = dequantise(_unpack4(codes) if self.bases.bits == 4 else codes, scale, self.bases.bits,
+                               self.bases.group)
+                out.append(projection.reconstruct(z, self.kv_heads).clamp(-F16_MAX, F16_MAX).half())
+                continue
+            groups, rank, _ = self._read_bases[i].shape
+            codes = unpack_bits(raw, projection.bits.flatten(), self._plans[i]).view(t, groups, rank)
+            latent = (codes - self._centres[i]).transpose(0, 1) * scale.T[..., None]  # (G, T, r)
+            grouped = torch.matmul(latent, self._read_bases[i]) + projection.mean[:, None]  # (G, T, gD)
+            h = self.kv_heads
+            x = grouped.view(groups, t, h // groups, -1).permute(0, 2, 1, 3).reshape(h, t, -1)  # (Hkv, T, D)
+            out.append(x.clamp(-F16_MAX, F16_MAX).half())
+        return out[0], out[1]
