@@ -10,10 +10,12 @@ of 256, 64 sinks, 256 local tokens, 512 recalled), so the key must come back fro
     answer-only  the engine in RAM reads exactly; only the answer attends to the recalled events' KV sent
                  through the codec (encode, decode): what the error costs when it does not compound
 
-Bases: those shipped for the model (`shipped`) and, for each `--fit KEY/VALUE` pair of error budgets, bases
-fitted in this run on the `engramkv fit-bases` default text (`--fit-tokens` of it, read for each fit).
+Bases: those shipped for the model (`shipped`) and, for each `--fit KEY/VALUE[/WEIGHTS]` pair of error budgets,
+bases fitted in this run on the `engramkv fit-bases` default text (`--fit-tokens` of it, read for each fit);
+WEIGHTS says which of keys and values the fit weighs by what attention reads of them (`kv`, the default;
+`k`, `v`, or `none`: `store.lowrank.weight_keys` / `weight_values`).
 
-    python benchmarks/lowrank_probe.py [--samples 16] [--fit 0.25/0.25 0.10/0.40]
+    python benchmarks/lowrank_probe.py [--samples 16] [--fit 0.25/0.25 0.10/0.40/none] [--store-only]
 
 Writes benchmarks/results/lowrank/NAME.json and .md (hits / samples with a 95% Wilson interval).
 """
@@ -36,6 +38,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2_500, help="tokens per document")
     parser.add_argument("--fit", nargs="*", default=["0.25/0.25"], metavar="KEY/VALUE",
                         help="error budgets of bases fitted in this run, beside the shipped ones")
+    parser.add_argument("--store-only", action="store_true", help="skip the answer-only reading")
     parser.add_argument("--fit-tokens", type=int, default=32_768, help="calibration tokens the fits read")
     parser.add_argument("--name", default="probe")
     args = parser.parse_args()
@@ -54,11 +57,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="lowrank_probe-"))
     bases: dict[str, Path] = {"shipped": shipped_bases(spec.model_id)}
     for pair in args.fit:
-        key_error, value_error = (float(x) for x in pair.split("/"))
-        lowrank = LowRankConfig(key_error=key_error, value_error=value_error, tokens=args.fit_tokens)
+        key_error, value_error, weights = (pair.split("/") + ["kv"])[:3]
+        if weights not in ("kv", "k", "v", "none"):
+            parser.error(f"--fit {pair}: WEIGHTS is kv, k, v or none")
+        lowrank = LowRankConfig(key_error=float(key_error), value_error=float(value_error), tokens=args.fit_tokens,
+                                weight_keys="k" in weights, weight_values="v" in weights)
         fitted = fit_lowrank_bases(lm, small.model_copy(update={"store": StoreConfig(codec="lowrank", lowrank=lowrank)}),
                                    progress=lambda line: print(line, end="\r", flush=True))
-        bases[f"fit {pair}"] = work / f"fit-{key_error}-{value_error}.safetensors"
+        bases[f"fit {pair}"] = work / f"fit-{key_error}-{value_error}-{weights}.safetensors"
         fitted.save(bases[f"fit {pair}"])
         print()
 
@@ -108,10 +114,10 @@ def main() -> None:
                     blocks.append(codec.decode_layer(layer, encoded[event_id][layer], n_tokens))
                 return tuple(torch.cat([b[j] for b in blocks], dim=1).to(lm.model.dtype) for j in (0, 1))
 
-            # A diagnostic, not an engine path: the answer alone reads the memory through the codec.
-            session.memory.gather = lossy
-            record(f"answer-only, {label}", session.generate(question, max_new_tokens=8), key, bits)
-            session.memory.gather = exact
+            if not args.store_only:  # a diagnostic, not an engine path: the answer alone reads through the codec
+                session.memory.gather = lossy
+                record(f"answer-only, {label}", session.generate(question, max_new_tokens=8), key, bits)
+                session.memory.gather = exact
             answer = through_store(store_config("lowrank", path), context, question, work / f"{seed}-{label}")
             record(f"store, {label}", answer, key, bits)
         record("int8", through_store(store_config("int8", None), context, question, work / f"{seed}-int8"), key)
