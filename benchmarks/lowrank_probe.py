@@ -15,7 +15,8 @@ bases fitted in this run on the `engramkv fit-bases` default text (`--fit-tokens
 WEIGHTS says which of keys and values the fit weighs by what attention reads of them (`kv`, the default;
 `k`, `v`, or `none`: `store.lowrank.weight_keys` / `weight_values`).
 
-    python benchmarks/lowrank_probe.py [--samples 16] [--fit 0.25/0.25 0.10/0.40/none] [--store-only]
+    python benchmarks/lowrank_probe.py [--samples 16] [--fit 0.25/0.25 0.10/0.40/none] [--bases LABEL=PATH]
+                                       [--store-only]
 
 Writes benchmarks/results/lowrank/NAME.json and .md (hits / samples with a 95% Wilson interval).
 """
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2_500, help="tokens per document")
     parser.add_argument("--fit", nargs="*", default=["0.25/0.25"], metavar="KEY/VALUE",
                         help="error budgets of bases fitted in this run, beside the shipped ones")
+    parser.add_argument("--bases", nargs="*", default=[], metavar="LABEL=PATH",
+                        help="bases files fitted before (`engramkv fit-bases`), beside the shipped ones")
     parser.add_argument("--store-only", action="store_true", help="skip the answer-only reading")
     parser.add_argument("--fit-tokens", type=int, default=32_768, help="calibration tokens the fits read")
     parser.add_argument("--name", default="probe")
@@ -56,6 +59,9 @@ def main() -> None:
     spec = lm.spec
     work = Path(tempfile.mkdtemp(prefix="lowrank_probe-"))
     bases: dict[str, Path] = {"shipped": shipped_bases(spec.model_id)}
+    for item in args.bases:
+        label, _, path = item.partition("=")
+        bases[label] = Path(path)
     for pair in args.fit:
         key_error, value_error, weights = (pair.split("/") + ["kv"])[:3]
         if weights not in ("kv", "k", "v", "none"):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engramkv.storage.blob import BlobLayout
+from engramkv.storage.blob import (REPRESENTATIVE_FORMATS, BlobLayout, decode_representatives, encode_representatives,
+                                 representative_nbytes)
 from engramkv.storage.codec import CODECS, QuantCodec, decode_layer, encode_layers, layer_nbytes
 
 L, H, T, D = 3, 2, 7, 8
@@ -56,3 +57,18 @@ def test_parts_of_another_shape_are_refused():
         layout.encode(tokens, reps[:, :-1], keys, values)
     with pytest.raises(ValueError, match="share one"):
         layout.encode(tokens, reps, keys, values[:, :1])
+
+
+@pytest.mark.parametrize("fmt", REPRESENTATIVE_FORMATS)
+def test_each_representative_format_round_trips_within_its_step(fmt):
+    reps = torch.randn(5, H * D, generator=torch.Generator().manual_seed(2)).numpy() * 3  # (N, F)
+    data = encode_representatives(fmt, reps, H)
+    assert len(data) == 5 * representative_nbytes(fmt, H, D)
+    back = decode_representatives(fmt, data, 5, H, D)
+    if fmt in ("f32", "f16"):
+        assert np.allclose(back, reps, atol=0.01)
+    else:  # within half a step of its KV head's scale (largest |x| over the head / the largest code)
+        step = np.abs(reps).reshape(5, H, D).max(axis=2, keepdims=True) / {"i8": 127, "i4": 7}[fmt]
+        assert (np.abs(back - reps).reshape(5, H, D) <= step / 2 + 1e-3).all()
+    zero = np.zeros((2, H * D), np.float32)
+    assert np.array_equal(decode_representatives(fmt, encode_representatives(fmt, zero, H), 2, H, D), zero)
