@@ -103,7 +103,8 @@ def fit_projection(train: torch.Tensor, held_out: torch.Tensor, heads_per_group:
     # Directions the train samples hardly span still get a deviation: whitening by ~0 would let one held-out
     # component swamp a token's scale.
     variance = variance.clamp(min=float(variance.max()) * 1e-4 + 1e-12)
-    full = Projection(mean, basis, variance.sqrt(), torch.zeros_like(variance, dtype=torch.int64), weight=w)
+    full = Projection(mean, basis, variance.sqrt(), torch.zeros_like(variance, dtype=torch.int64), weight=w,
+                      byte_scales=True)
     y = held_out.float()
     z = full.project(y)  # (T, G gD): the basis is complete, so the error is the latent's
     norm = float(((grouped(y) - mean[:, None]) * w[:, None]).norm()) or 1.0
@@ -117,7 +118,7 @@ def fit_projection(train: torch.Tensor, held_out: torch.Tensor, heads_per_group:
         for budget in [*range(BUDGET_STEP, most, BUDGET_STEP), most]:
             if best is not None and budget >= best[0]:
                 break
-            candidate = Projection(mean, basis, full.sigma, allocate(variance, budget), factor, w)
+            candidate = Projection(mean, basis, full.sigma, allocate(variance, budget), factor, w, True)
             if (e := error(candidate)) <= max_error or budget == most:
                 best = (budget, e, candidate)  # fewer bits than any earlier widening's: the loop stops short of those
                 break
@@ -125,7 +126,7 @@ def fit_projection(train: torch.Tensor, held_out: torch.Tensor, heads_per_group:
     _, e, chosen = best
     keep = int((chosen.bits > 0).sum(0).nonzero().max()) + 1 if chosen.code_bits else 1  # directions any group codes
     return Projection(mean, basis[:, :, :keep].contiguous(), chosen.sigma[:, :keep].contiguous(),
-                      chosen.bits[:, :keep].contiguous(), chosen.step, w), e
+                      chosen.bits[:, :keep].contiguous(), chosen.step, w, True), e
 
 
 def attention_weights(query_energy: torch.Tensor, column_energy: torch.Tensor, kv_heads: int

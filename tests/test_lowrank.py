@@ -85,6 +85,15 @@ def test_attention_weights_pair_the_rotary_halves_and_sum_a_query_group():
     assert float(v_weight.pow(2).mean()) == pytest.approx(1.0)
 
 
+def test_a_byte_scale_is_within_a_sixty_fourth_of_an_octave():
+    rms = torch.tensor([0.0, 1e-9, 0.07, 0.3, 1.0, 2.7, 15.0, 1e6])
+    back = lowrank.scale_values(lowrank.scale_bytes(rms))
+    assert back[0] == 0 and back[1] == pytest.approx(2 ** (-127 / 32))  # the least: code 1
+    inside = slice(2, 7)
+    assert torch.allclose(back[inside], rms[inside], rtol=2 ** (1 / 64) - 1 + 1e-6)
+    assert back[-1] == pytest.approx(2 ** (127 / 32))  # the most: code 255
+
+
 def test_bits_go_where_the_variance_is():
     variance = torch.tensor([[16.0, 4.0, 1.0, 0.25, 0.0]])
     bits = allocate(variance, 10)
@@ -128,8 +137,9 @@ def _bases_of(fmt: str) -> lowrank.LowRankBases:
         return _bases_v1()
     bases = _bases()
     if fmt == "engramkv-lowrank-2":
-        bases = dataclasses.replace(bases, format=fmt, keys=tuple(dataclasses.replace(p, weight=None) for p in bases.keys),
-                                    values=tuple(dataclasses.replace(p, weight=None) for p in bases.values))
+        bases = dataclasses.replace(bases, format=fmt, **{name: tuple(dataclasses.replace(p, weight=None, byte_scales=False)
+                                                                      for p in getattr(bases, name))
+                                                          for name in ("keys", "values")})
     return bases
 
 
@@ -155,7 +165,8 @@ def test_the_codec_writes_what_layer_nbytes_says_and_reads_it_back(fmt):
     for layer, buf in enumerate(encoded):
         k_part, v_part = bases.keys[layer], bases.values[layer]
         if fmt in ("v2", "v3"):
-            expected = sum(10 * (2 + math.ceil(p.code_bits / 8)) for p in (k_part, v_part))
+            scale = 2 if fmt == "v2" else 1  # format 3's scales are a byte
+            expected = sum(10 * (scale + math.ceil(p.code_bits / 8)) for p in (k_part, v_part))
         else:
             expected = sum(10 * (2 * math.ceil(p.latent / 8) + p.latent * bases.bits // 8) for p in (k_part, v_part))
         assert len(buf) == codec.layer_nbytes(layer, 10) == expected

@@ -36,7 +36,8 @@ latent dimension `bits` (4 or 8) bits, symmetric per token group of `group` dime
     K scales (T, ceil(R_k / group)) f16 | V scales (T, ceil(R_v / group)) f16
     | K codes (T, R_k * bits / 8) u1 | V codes (T, R_v * bits / 8) u1
 
-Format 3 (`engramkv-lowrank-3`) is format 2's layout over a weighted projection: each input dimension is
+Format 3 (`engramkv-lowrank-3`) is format 2's layout with one-byte scales (`scale_bytes`; `K scales (T, G) u1 |
+V scales (T, G) u1`) over a weighted projection: each input dimension is
 multiplied by a weight w before it is projected, and divided by it after it is read back, so the fit spends
 its bits where the attention output is most sensitive, not where K or V is largest. For keys w^2 is the
 queries' mean energy on the dimension's rotary pair (a score is q.k, and RoPE turns each pair of q and of k by
@@ -66,29 +67,45 @@ from engramkv.storage.codec import F16_MAX
 FORMATS = {"engramkv-lowrank-1": "f16", "engramkv-lowrank-2": "i8", "engramkv-lowrank-3": "i8"}  # -> representatives
 FORMAT = "engramkv-lowrank-3"  # what `fit_bases` writes
 MAX_BITS = 8
+SCALE_STEPS = 32  # format 3: a byte scale's codes per octave
 # Max's optimal uniform quantiser of a unit Gaussian with b bits (b = 1..8): its step (its squared error is
 # `lowrank_fit.DISTORTION`). b = 0 codes nothing; its 1 only keeps the arithmetic finite.
 _STEP = (1.0, 1.596, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0569, 0.0308)
 
 
-def quantise_latent(z: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor, steps: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Format 2: latent z (..., G, r), the directions' sigma, bits and steps (broadcast to it) -> (scales
-    (..., G) float16, codes (..., G, r) uint8, 0 where a direction has no bits)."""
+def quantise_latent(z: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor, steps: torch.Tensor,
+                    byte_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Formats 2 and 3: latent z (..., G, r), the directions' sigma, bits and steps (broadcast to it) -> (scales
+    (..., G) float16, or uint8 log codes with `byte_scales`, and codes (..., G, r) uint8, 0 where a direction
+    has no bits)."""
     coded = bits > 0
     u = z.float() / sigma
     rms = ((u * u * coded).sum(-1) / coded.sum(-1).clamp(min=1)).sqrt()  # (..., G)
-    scale = rms.clamp(max=F16_MAX).half()
-    c = u / torch.where(scale == 0, torch.ones_like(scale), scale).float()[..., None]  # against the stored scale
+    scale = scale_bytes(rms) if byte_scales else rms.clamp(max=F16_MAX).half()
+    stored = scale_values(scale)
+    c = u / torch.where(stored == 0, torch.ones_like(stored), stored)[..., None]  # against the stored scale
     levels = (1 << bits).float()
     codes = torch.minimum((c / steps + levels / 2).floor_().clamp_(min=0), levels - 1)
     return scale, codes.to(torch.uint8)
 
 
+def scale_bytes(rms: torch.Tensor) -> torch.Tensor:
+    """Format 3's scales: one byte, 2^((code - 128) / 32) for code 1..255 (1/32 of an octave: at most 1.1% off;
+    the whitened latent's RMS is within 2^-2.1 and 2^1.6 on the embedded model), 0 for 0."""
+    code = (torch.log2(rms.clamp(min=1e-30)) * SCALE_STEPS + 128).round_().clamp_(1, 255)
+    return torch.where(rms == 0, torch.zeros_like(code), code).to(torch.uint8)
+
+
+def scale_values(scale: torch.Tensor) -> torch.Tensor:  # stored scales (float16 or format 3's bytes) -> float32
+    if scale.dtype != torch.uint8:
+        return scale.float()
+    return torch.where(scale == 0, 0.0, torch.exp2((scale.float() - 128) / SCALE_STEPS))
+
+
 def dequantise_latent(scale: torch.Tensor, codes: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor,
                       steps: torch.Tensor) -> torch.Tensor:  # -> z (..., G, r) float32
     c = (codes.float() - (1 << bits).float() / 2 + 0.5) * steps * (bits > 0)
-    return c * scale.float()[..., None] * sigma
+    return c * scale_values(scale)[..., None] * sigma
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,7 @@ class Projection:
     bits: torch.Tensor | None = None  # (G, r) int64 in 0..8 (format 2)
     step: float = 1.0
     weight: torch.Tensor | None = None  # (G, g D) float32 (format 3); None: every dimension 1
+    byte_scales: bool = False  # format 3: a token's scale in one byte (`scale_bytes`), not float16
 
     @property
     def latent(self) -> int:
@@ -144,7 +162,8 @@ class Projection:
 
     def encode(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (T, G r) -> (T, G), (T, G r)
         assert self.sigma is not None and self.bits is not None
-        scale, codes = quantise_latent(z.view(z.shape[0], *self.bits.shape), self.sigma, self.bits, self.steps)
+        scale, codes = quantise_latent(z.view(z.shape[0], *self.bits.shape), self.sigma, self.bits, self.steps,
+                                       self.byte_scales)
         return scale, codes.view(z.shape[0], -1)
 
     def decode(self, scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:  # -> latent (T, G r) float32
@@ -199,9 +218,10 @@ class LowRankBases:
                 mean, basis = tensors[f"{name}_mean.{i}"], tensors[f"{name}_basis.{i}"]
                 if meta["format"] == "engramkv-lowrank-1":
                     return Projection(mean, basis)
-                weight = tensors[f"{name}_weight.{i}"] if meta["format"] == "engramkv-lowrank-3" else None
+                third = meta["format"] == "engramkv-lowrank-3"
                 return Projection(mean, basis, tensors[f"{name}_sigma.{i}"], tensors[f"{name}_bits.{i}"].long(),
-                                  float(tensors[f"{name}_step.{i}"][0]), weight)
+                                  float(tensors[f"{name}_step.{i}"][0]), tensors[f"{name}_weight.{i}"] if third else None,
+                                  third)
 
             return cls(tuple(projection("k", i) for i in range(n_layers)),
                        tuple(projection("v", i) for i in range(n_layers)),

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engramkv.storage.codec import F16_MAX
-from engramkv.storage.lowrank import FORMATS, MAX_BITS, LowRankBases, quantise_latent
+from engramkv.storage.lowrank import FORMATS, MAX_BITS, LowRankBases, quantise_latent, scale_values
 
 # ------------------------------------------------------------------------------------- format 2: packing bits
 def unpack_bits(packed: np.ndarray, bits: torch.Tensor, plan: UnpackPlan | None = None) -> torch.Tensor:
@@ -83,9 +83,11 @@ class LowRankCodec:
         self.bases, self.name, self.kv_heads, self.head_dim = bases, name, kv_heads, head_dim
         self.representatives = FORMATS[bases.format]
         self._v1 = bases.format == "engramkv-lowrank-1"
+        self._byte_scales = bases.format == "engramkv-lowrank-3"
         self._parts = parts = [*bases.keys, *bases.values]  # part i: layer i's keys, i + L its values
         self._sizes = [(2 * math.ceil(p.latent / bases.group), p.latent * bases.bits // 8) if self._v1 else
-                       (2 * p.basis.shape[0], math.ceil(p.code_bits / 8)) for p in parts]  # per token: scale, code bytes
+                       ((1 if p.byte_scales else 2) * p.basis.shape[0], math.ceil(p.code_bits / 8))
+                       for p in parts]  # per token: scale, code bytes
         if self._v1:
             return
         rank = max(p.basis.shape[2] for p in parts)
@@ -131,11 +133,11 @@ class LowRankCodec:
         groups = self._mean.shape[1]
         grouped = x.reshape(n, groups, h // groups, t, d).permute(0, 1, 3, 2, 4).reshape(n, groups, t, -1)
         z = torch.einsum("ngtf,ngfr->ntgr", grouped - self._mean[:, :, None], self._basis)  # (2L, T, G, R)
-        scale, codes = quantise_latent(z, self._sigma, self._bits, self._steps)
+        scale, codes = quantise_latent(z, self._sigma, self._bits, self._steps, self._byte_scales)
         planes = np.unpackbits(codes.numpy().reshape(n, t, -1)[..., None], axis=3, bitorder="little")  # (2L, T, GR, 8)
         planes = np.concatenate([planes.transpose(1, 0, 2, 3).reshape(t, -1), np.zeros((t, 1), np.uint8)], axis=1)
         packed = np.packbits(planes[:, self._gather], axis=1, bitorder="little")  # (T, all parts' code bytes)
-        scales, at = scale.numpy().astype("<f2"), self._code_at
+        scales, at = scale.numpy() if self._byte_scales else scale.numpy().astype("<f2"), self._code_at
         return [b"".join([scales[k].tobytes(), scales[k + n_layers].tobytes(), packed[:, at[k] : at[k + 1]].tobytes(),
                           packed[:, at[k + n_layers] : at[k + n_layers + 1]].tobytes()]) for k in range(n_layers)]
 
@@ -160,9 +162,12 @@ class LowRankCodec:
         t, parts = n_tokens, (layer, layer + len(self.bases.keys))
         at, scales = 0, []
         for i in parts:
-            count = t * self._sizes[i][0] // 2
-            scales.append(torch.from_numpy(np.frombuffer(buf, "<f2", count, at).astype("f4")).view(t, -1))
-            at += 2 * count
+            size = self._sizes[i][0] * t
+            if self._byte_scales:
+                scales.append(scale_values(torch.from_numpy(np.frombuffer(buf, "u1", size, at).copy())).view(t, -1))
+            else:
+                scales.append(torch.from_numpy(np.frombuffer(buf, "<f2", size // 2, at).astype("f4")).view(t, -1))
+            at += size
         out = []
         for i, scale in zip(parts, scales):
             projection = self._parts[i]
