@@ -68,7 +68,7 @@ def test_each_representative_format_round_trips_within_its_step(fmt):
     if fmt in ("f32", "f16"):
         assert np.allclose(back, reps, atol=0.01)
     else:  # within half a step of its KV head's scale (largest |x| over the head / the largest code)
-        step = np.abs(reps).reshape(5, H, D).max(axis=2, keepdims=True) / {"i8": 127, "i4": 7}[fmt]
+        step = np.abs(reps).reshape(5, H, D).max(axis=2, keepdims=True) / 127
         assert (np.abs(back - reps).reshape(5, H, D) <= step / 2 + 1e-3).all()
     zero = np.zeros((2, H * D), np.float32)
     assert np.array_equal(decode_representatives(fmt, encode_representatives(fmt, zero, H), 2, H, D), zero)

@@ -16,14 +16,13 @@ P, one representative's bytes, is set by the codec's `representatives` format:
 
     f32   F float32                                               P = 4 F   (fp16 / int8 / int4 / int2)
     f16   F float16                                               P = 2 F   (lowrank bases of format 1)
-    i8    Hkv float16 scales | F int8 codes                       P = F + 2 Hkv (lowrank bases of format 2, 3)
-    i4    Hkv float16 scales | F / 2 bytes of 4-bit codes          P = F / 2 + 2 Hkv
+    i8    Hkv float16 scales | F int8 codes                       P = F + 2 Hkv (lowrank bases of format 2)
 
-i8 and i4 are symmetric per KV head: code = round(x / scale), scale = max |x| over the head's D dims / 127
-(i4: / 7, stored as code + 8, two to a byte, the even dimension in the low half). At 30 layers of F = 192 i8
-is 5.9 KB per event instead of 23 KB (f32). It costs ranking: on the embedded model's
+i8 is symmetric per KV head: code = round(x / scale), scale = max |x| over the head's D dims / 127. At 30
+layers of F = 192 it is 5.9 KB per event instead of 23 KB (f32). It costs ranking: on the embedded model's
 own searches a flat search over i8 keeps 0.95 of the exact top 10 (f16 0.999), a low-rank two-stage search
-0.915 (f32 0.945) (`benchmarks/index_projection.py`).
+0.915 (f32 0.945) (`benchmarks/index_projection.py`). Four bits per code, the same way, kept 0.44 (measured at
+624a5b8 and dropped): the keys' few large channels take the scale, the rest round to zero.
 """
 
 from __future__ import annotations
@@ -36,14 +35,14 @@ import torch
 
 from engramkv.storage.codec import F16_MAX, LayerCodec
 
-REPRESENTATIVE_FORMATS = ("f32", "f16", "i8", "i4")
-_CODE_MAX = {"i8": 127, "i4": 7}
+REPRESENTATIVE_FORMATS = ("f32", "f16", "i8")
+_I8_MAX = 127
 
 
 def representative_nbytes(fmt: str, kv_heads: int, head_dim: int) -> int:
     """P: the bytes of one representative of F = kv_heads * head_dim in format `fmt`."""
     dim = kv_heads * head_dim
-    return {"f32": 4 * dim, "f16": 2 * dim, "i8": dim + 2 * kv_heads, "i4": dim // 2 + 2 * kv_heads}[fmt]
+    return {"f32": 4 * dim, "f16": 2 * dim, "i8": dim + 2 * kv_heads}[fmt]
 
 
 def encode_representatives(fmt: str, x: np.ndarray, kv_heads: int) -> bytes:  # x (N, F) float -> N P bytes
@@ -53,13 +52,9 @@ def encode_representatives(fmt: str, x: np.ndarray, kv_heads: int) -> bytes:  # 
         return np.clip(x, -F16_MAX, F16_MAX).astype("<f2").tobytes()  # past the range it would read back inf
     n, dim = x.shape
     heads = x.astype(np.float32).reshape(n, kv_heads, dim // kv_heads)  # (N, Hkv, D)
-    top = _CODE_MAX[fmt]
-    scale = np.minimum(np.abs(heads).max(axis=2) / top, F16_MAX).astype("<f2")  # (N, Hkv)
+    scale = np.minimum(np.abs(heads).max(axis=2) / _I8_MAX, F16_MAX).astype("<f2")  # (N, Hkv)
     step = np.where(scale == 0, 1, scale).astype(np.float32)[..., None]  # codes against the stored scale
-    codes = np.clip(np.rint(heads / step), -top, top).astype("i1").reshape(n, dim)
-    if fmt == "i4":
-        nibbles = (codes + 8).astype("u1")
-        codes = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).view("i1")
+    codes = np.clip(np.rint(heads / step), -_I8_MAX, _I8_MAX).astype("i1").reshape(n, dim)
     return np.concatenate([scale.view("u1").reshape(n, -1), codes.view("u1")], axis=1).tobytes()
 
 
@@ -69,15 +64,9 @@ def decode_representatives(fmt: str, data: bytes | memoryview, count: int, kv_he
     if fmt in ("f32", "f16"):
         flat = np.frombuffer(data, dtype="<f4" if fmt == "f32" else "<f2", count=count * dim, offset=offset)
         return flat.reshape(count, dim).astype(np.float32)
-    size = representative_nbytes(fmt, kv_heads, head_dim)
-    rows = np.frombuffer(data, dtype="u1", count=count * size, offset=offset).reshape(count, -1)
+    rows = np.frombuffer(data, dtype="u1", count=count * (dim + 2 * kv_heads), offset=offset).reshape(count, -1)
     scale = rows[:, : 2 * kv_heads].copy().view("<f2").astype(np.float32)  # (count, Hkv)
-    raw = rows[:, 2 * kv_heads :]
-    if fmt == "i4":
-        codes = np.stack([raw & 15, raw >> 4], axis=2).reshape(count, dim).astype(np.float32) - 8
-    else:
-        codes = raw.view("i1").astype(np.float32)
-    codes = codes.reshape(count, kv_heads, head_dim)
+    codes = rows[:, 2 * kv_heads :].view("i1").astype(np.float32).reshape(count, kv_heads, head_dim)
     return (codes * scale[..., None]).reshape(count, dim)
 
 
