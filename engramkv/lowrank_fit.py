@@ -152,15 +152,18 @@ def fit_bases(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], cfg:
               fingerprint: dict[str, Any], held_out: float = 0.2,
               weights: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> LowRankBases:
     """Bases for every layer from calibration KV (H, N, D) per layer (N tokens in reading order): the last
-    `held_out` share of the tokens chooses the bits, the rest fits the bases. `weights`: per layer (key,
+    `held_out` share of the tokens chooses the bits, the rest fits the bases; the keys of the first
+    `cfg.early_layers` share of the layers take `cfg.early_key_error` where it is set. `weights`: per layer (key,
     value) weights (H, D) (`attention_weights`), used where `cfg.weight_keys` / `cfg.weight_values` say."""
     k_out, v_out, errors = [], [], {"keys": [], "values": []}
+    early = round(cfg.early_layers * len(keys)) if cfg.early_key_error is not None else 0
     for layer, (k, v) in enumerate(zip(keys, values)):
+        key_error = cfg.early_key_error if layer < early else cfg.key_error
         cut = int(k.shape[1] * (1 - held_out))
         if cut < 1 or cut >= k.shape[1]:
             raise ConfigError(f"{k.shape[1]} calibration tokens are too few to fit and hold out")
         k_weight, v_weight = weights[layer] if weights is not None else (None, None)
-        for x, budget, w, out, name in ((k, cfg.key_error, k_weight if cfg.weight_keys else None, k_out, "keys"),
+        for x, budget, w, out, name in ((k, key_error, k_weight if cfg.weight_keys else None, k_out, "keys"),
                                         (v, cfg.value_error, v_weight if cfg.weight_values else None, v_out, "values")):
             projection, error = fit_projection(x[:, :cut], x[:, cut:], cfg.heads_per_group or x.shape[0], budget, w)
             out.append(projection)

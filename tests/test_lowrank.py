@@ -85,6 +85,18 @@ def test_attention_weights_pair_the_rotary_halves_and_sum_a_query_group():
     assert float(v_weight.pow(2).mean()) == pytest.approx(1.0)
 
 
+def test_the_early_layers_keys_take_their_own_budget():
+    x = low_rank_kv(500, 16, seed=5)
+    cfg = LowRankConfig(key_error=0.05, early_key_error=0.3, early_layers=0.5, value_error=0.3)
+    bases = fit_bases([x] * 4, [x] * 4, cfg, {"model_id": "synthetic"})  # four identical layers
+    bits = [p.code_bits for p in bases.keys]
+    assert bits[0] == bits[1] < bits[2] == bits[3]
+    assert all(e <= 0.3 for e in bases.errors["keys"][:2]) and all(e <= 0.05 for e in bases.errors["keys"][2:])
+    assert len({p.code_bits for p in bases.values}) == 1  # values keep one budget
+    plain = fit_bases([x] * 4, [x] * 4, cfg.model_copy(update={"early_key_error": None}), {"model_id": "synthetic"})
+    assert len({p.code_bits for p in plain.keys}) == 1
+
+
 def test_a_byte_scale_is_within_a_sixty_fourth_of_an_octave():
     rms = torch.tensor([0.0, 1e-9, 0.07, 0.3, 1.0, 2.7, 15.0, 1e6])
     back = lowrank.scale_values(lowrank.scale_bytes(rms))
@@ -109,7 +121,21 @@ def test_codes_of_any_widths_pack_and_unpack():
     # each direction's low `bits` bits, least-significant first, direction after direction
     stream = [(int(c) >> i) & 1 for row in codes for c, b in zip(row, bits) for i in range(int(b))]
     packed = np.packbits(np.array(stream, np.uint8).reshape(6, 22), axis=1, bitorder="little")
-    assert torch.equal(lowrank_codec.unpack_bits(packed, bits).long(), codes)
+    read = np.unpackbits(packed, axis=1, count=22, bitorder="little")  # as the codec reads a part
+    # with an identity read basis, the read matrix gives back each direction's code
+    assert torch.equal((torch.from_numpy(read).float() @ lowrank_codec.read_matrix(bits, torch.eye(8))).long(), codes)
+
+
+def test_the_codec_reads_back_exactly_what_the_projection_quantised():
+    bases = _bases_of("engramkv-lowrank-3")
+    codec = lowrank_codec.LowRankCodec(bases, "lowrank:00000000", H, D)
+    keys = torch.stack([low_rank_kv(400, 16, seed=s)[:, 380:] for s in range(3)])  # (L, H, 20, D)
+    encoded = codec.encode_layers(keys, keys * 0.5)
+    for layer in range(3):
+        for p, x, got in zip((bases.keys[layer], bases.values[layer]), (keys[layer], keys[layer] * 0.5),
+                             codec.decode_layer(layer, encoded[layer], 20)):
+            expected = p.reconstruct(p.decode(*p.encode(p.project(x))), H)
+            torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=1e-3)
 
 
 def test_quantise_round_trips_within_half_a_step():

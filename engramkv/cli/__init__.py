@@ -182,8 +182,9 @@ def cmd_fit_bases(args: argparse.Namespace) -> int:
     texts = [_read_text(path) for path in args.text] if args.text else None
     lm = _model(args)
     base = _config_file(args.config) if args.config else lm.config
-    cfg = _with_options(base, ("store", "lowrank"), args, ("tokens", "key_error", "value_error",
-                                                         "heads_per_group", "weight_keys", "weight_values"))
+    cfg = _with_options(base, ("store", "lowrank"), args, ("tokens", "key_error", "early_key_error",
+                                                         "early_layers", "value_error", "heads_per_group",
+                                                         "weight_keys", "weight_values"))
     bases = fit_lowrank_bases(lm, cfg, texts, progress=None if args.json else _progress_line)
     out.parent.mkdir(parents=True, exist_ok=True)
     bases.save(out)

@@ -99,6 +99,10 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
     p.add_argument("--text", nargs="+", default=None, metavar="FILE", help="UTF-8 files to fit on instead")
     p.add_argument("--tokens", type=int, default=None, help="calibration tokens to read (default: the config's)")
     p.add_argument("--key-error", type=float, default=None, help="held-out relative error budget of keys")
+    p.add_argument("--early-key-error", type=float, default=None,
+                   help="the keys' budget in the first --early-layers share of the layers (default: the config's)")
+    p.add_argument("--early-layers", type=float, default=None, help="share of layers, from the first, that "
+                   "--early-key-error applies to (default: the config's, 0.5)")
     p.add_argument("--value-error", type=float, default=None, help="held-out relative error budget of values")
     p.add_argument("--heads-per-group", type=int, default=None, help="KV heads sharing a basis (default: all)")
     p.add_argument("--weight-keys", action=argparse.BooleanOptionalAction, default=None,

@@ -96,10 +96,11 @@ def scale_bytes(rms: torch.Tensor) -> torch.Tensor:
     return torch.where(rms == 0, torch.zeros_like(code), code).to(torch.uint8)
 
 
+_SCALES = torch.exp2((torch.arange(256) - 128) / SCALE_STEPS).float().index_fill_(0, torch.tensor([0]), 0.0)
+
+
 def scale_values(scale: torch.Tensor) -> torch.Tensor:  # stored scales (float16 or format 3's bytes) -> float32
-    if scale.dtype != torch.uint8:
-        return scale.float()
-    return torch.where(scale == 0, 0.0, torch.exp2((scale.float() - 128) / SCALE_STEPS))
+    return _SCALES[scale.long()] if scale.dtype == torch.uint8 else scale.float()
 
 
 def dequantise_latent(scale: torch.Tensor, codes: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor,

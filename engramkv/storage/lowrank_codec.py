@@ -12,26 +12,14 @@ from engramkv.storage.codec import F16_MAX
 from engramkv.storage.lowrank import FORMATS, MAX_BITS, LowRankBases, quantise_latent, scale_values
 
 # ------------------------------------------------------------------------------------- format 2: packing bits
-def unpack_bits(packed: np.ndarray, bits: torch.Tensor, plan: UnpackPlan | None = None) -> torch.Tensor:
-    """(T, ceil(sum bits / 8)) uint8 -> codes (T, R) float32 (whole numbers; 0 where a direction has no bits)."""
-    coded, starts, weights, width = plan if plan is not None else unpack_plan(bits)
-    stream = np.unpackbits(packed, axis=1, count=len(weights), bitorder="little")  # (T, sum bits)
-    codes = np.zeros((packed.shape[0], width), np.float32)
-    if len(coded):
-        codes[:, coded] = np.add.reduceat(stream * weights, starts, axis=1)  # each direction's bits, weighted
-    return torch.from_numpy(codes)
-
-
-UnpackPlan = tuple[np.ndarray, np.ndarray, np.ndarray, int]  # coded directions, their first bits, bit weights, R
-
-
-def unpack_plan(bits: torch.Tensor) -> UnpackPlan:
-    """What `unpack_bits` needs of `bits` (R,), worked out once per part by a codec."""
-    widths = bits.numpy().astype(np.int64)
-    coded = np.nonzero(widths)[0]
-    starts = np.concatenate([[0], np.cumsum(widths[coded])[:-1]]).astype(np.int64)
-    weights = np.exp2(np.arange(int(widths.sum())) - np.repeat(starts, widths[coded])).astype(np.float32)
-    return coded, starts, weights, len(widths)
+def read_matrix(bits: torch.Tensor, read_basis: torch.Tensor) -> torch.Tensor:
+    """One group's stored bits (T, B) -> its centred output: (B, g D), row j = 2^k x the read basis row of the
+    direction whose k-th bit is bit j (directions in order, least-significant bit first), so a token's codes
+    never need assembling: sum_j bit_j 2^k_j row(dir_j) = sum_dir code_dir row(dir). bits (r,), read_basis (r, g D)."""
+    widths = bits.tolist()
+    direction = torch.repeat_interleave(torch.arange(len(widths)), bits)  # (B,)
+    power = torch.cat([torch.arange(w) for w in widths]) if widths else torch.zeros(0)
+    return torch.exp2(power.float())[:, None] * read_basis[direction]
 
 
 def _plane_mask(bits: torch.Tensor) -> np.ndarray:  # (R, 8) bool: which bit planes of each direction are stored
@@ -100,11 +88,15 @@ class LowRankCodec:
         self._sigma = torch.stack([padded(p.sigma, 1.0) for p in parts])[:, None]  # (2L, 1, G, R)
         self._bits = torch.stack([padded(p.bits, 0) for p in parts])[:, None]
         self._steps = torch.stack([padded(p.steps, 1.0) for p in parts])[:, None]
-        self._plans = [unpack_plan(p.bits.flatten()) for p in parts]
-        # Reading folds the dequantisation into the basis: x = scale (codes - centre) (step sigma basis)^T + mean.
-        self._centres = [(1 << p.bits).float() / 2 - 0.5 for p in parts]  # (G, r)
-        self._read_bases = [(p.out_of * (p.steps * (p.bits > 0) * p.sigma)[..., None]).contiguous()
-                            for p in parts]  # (G, r, gD)
+        # Reading folds the dequantisation and the bits' place values into one matrix per group:
+        # x = scale (bits @ M - centre @ R) + mean, R = (step sigma basis)^T, M = `read_matrix` of R.
+        self._reads: list[list[tuple[int, int, torch.Tensor, torch.Tensor]]] = []  # per part, per group:
+        for p in parts:                                                       # first bit, end, M, centre @ R
+            read = p.out_of * (p.steps * (p.bits > 0) * p.sigma)[..., None]  # (G, r, gD)
+            centre = ((1 << p.bits).float() / 2 - 0.5) * (p.bits > 0)  # (G, r)
+            ends = torch.cumsum(p.bits.sum(1), 0).tolist()
+            self._reads.append([(end - int(p.bits[g].sum()), end, read_matrix(p.bits[g], read[g]), centre[g] @ read[g])
+                                for g, end in enumerate(ends)])
         # One gather takes every part's stored bit planes out of (2L, G R, 8) planes (and a zero plane past
         # them), each part padded with zero planes to whole bytes, so one packbits writes all parts' codes.
         where, self._code_at = [], [0]
@@ -179,11 +171,11 @@ class LowRankCodec:
                                self.bases.group)
                 out.append(projection.reconstruct(z, self.kv_heads).clamp(-F16_MAX, F16_MAX).half())
                 continue
-            groups, rank, _ = self._read_bases[i].shape
-            codes = unpack_bits(raw, projection.bits.flatten(), self._plans[i]).view(t, groups, rank)
-            latent = (codes - self._centres[i]).transpose(0, 1) * scale.T[..., None]  # (G, T, r)
-            grouped = torch.matmul(latent, self._read_bases[i]) + projection.mean[:, None]  # (G, T, gD)
-            h = self.kv_heads
+            reads = self._reads[i]
+            stream = torch.from_numpy(np.unpackbits(raw, axis=1, count=reads[-1][1], bitorder="little")).float()  # (T, B)
+            grouped = torch.stack([(stream[:, first:end] @ m - offset) * scale[:, g, None] + projection.mean[g]
+                                   for g, (first, end, m, offset) in enumerate(reads)])  # (G, T, gD)
+            groups, h = len(reads), self.kv_heads
             x = grouped.view(groups, t, h // groups, -1).permute(0, 2, 1, 3).reshape(h, t, -1)  # (Hkv, T, D)
             out.append(x.clamp(-F16_MAX, F16_MAX).half())
         return out[0], out[1]
