@@ -313,16 +313,16 @@ class LowRankConfig(_Strict):
                               "store copies; None: those shipped for the model. A store reads its own copy.")
     heads_per_group: int | None = Field(default=None, ge=1, description="KV heads sharing one basis (None: all).")
     key_error: float = Field(default=0.10, gt=0, lt=1, description="Fit: each layer's keys get the fewest bits "
-                             "whose held-out error (relative to the centred keys) is within this.")
-    early_key_error: float | None = Field(default=None, gt=0, lt=1, description="Fit: the keys' budget in the first "
-                                          "`early_layers` of the layers (None: key_error); early layers take a looser one.")
+                             "whose held-out error (relative to the centred keys) is within this (see early_key_error).")
+    early_key_error: float | None = Field(default=0.25, gt=0, lt=1, description="Fit: the keys' budget in the first "
+                                          "`early_layers` of the layers (None: key_error); their error costs less.")
     early_layers: float = Field(default=0.5, ge=0, le=1, description="Fit: the share of layers, from the first, "
                                 "that early_key_error applies to.")
-    value_error: float = Field(default=0.40, gt=0, lt=1, description="Fit: the same budget for values (keys need the "
+    value_error: float = Field(default=0.50, gt=0, lt=1, description="Fit: the same budget for values (keys need the "
                                "tighter one: their error compounds through reading, benchmarks/README.md).")
     tokens: int = Field(default=32_768, ge=1024, description="Fit: calibration tokens read (a fifth held out).")
-    weight_keys: bool = Field(default=True, description="Fit: weigh key dimensions by the queries' energy on "
-                              "them, so the error budget is of what attention scores see.")
+    weight_keys: bool = Field(default=False, description="Fit: weigh key dimensions by the queries' energy on "
+                              "them, so the error budget is of what attention scores see (measured: no gain).")
     weight_values: bool = Field(default=True, description="Fit: weigh value dimensions by the output "
                                 "projection's column norms, so the budget is of what leaves attention.")
 
