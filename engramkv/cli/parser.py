@@ -106,7 +106,7 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
     p.add_argument("--value-error", type=float, default=None, help="held-out relative error budget of values")
     p.add_argument("--heads-per-group", type=int, default=None, help="KV heads sharing a basis (default: all)")
     p.add_argument("--weight-keys", action=argparse.BooleanOptionalAction, default=None,
-                   help="weigh key dimensions by the queries' energy on them (default: the config's, on)")
+                   help="weigh key dimensions by the queries' energy on them (default: the config's, off)")
     p.add_argument("--weight-values", action=argparse.BooleanOptionalAction, default=None,
                    help="weigh value dimensions by the output projection's column norms (default: the config's, on)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
