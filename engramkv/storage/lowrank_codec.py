@@ -1,5 +1,5 @@
 """The `lowrank` codec itself (`codec.LayerCodec`): one event's layers to bytes and back, over the bases and
-in the formats `storage.lowrank` defines; format 1's group codes and format 2's bit packing."""
+in the formats `storage.lowrank` defines; format 1's group codes and formats 2 and 3's bit packing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from engramkv.storage.codec import F16_MAX
 from engramkv.storage.lowrank import FORMATS, MAX_BITS, LowRankBases, quantise_latent, scale_values
 
-# ------------------------------------------------------------------------------------- format 2: packing bits
+
+# ------------------------------------------------------------------------------- formats 2 and 3: packing bits
 def read_matrix(bits: torch.Tensor, read_basis: torch.Tensor) -> torch.Tensor:
     """One group's stored bits (T, B) -> its centred output: (B, g D), row j = 2^k x the read basis row of the
     direction whose k-th bit is bit j (directions in order, least-significant bit first), so a token's codes
@@ -62,7 +63,7 @@ def _unpack4(packed: torch.Tensor) -> torch.Tensor:  # (T, R / 2) -> (T, R)
 class LowRankCodec:
     """`codec.LayerCodec` over fitted bases; `name` is what the catalog records ("lowrank:" + digest).
 
-    Format 2 encodes an event's layers at once: keys and values of every layer as 2L parts padded to the
+    Formats 2 and 3 encode an event's layers at once: keys and values of every layer as 2L parts padded to the
     widest basis (padding has no bits, so it writes nothing), one einsum and one quantisation; an event is
     written while the model reads on, so a loop of 60 small calls per event would cost about a sixth of ingest.
     """
