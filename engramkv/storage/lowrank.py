@@ -36,14 +36,15 @@ latent dimension `bits` (4 or 8) bits, symmetric per token group of `group` dime
     K scales (T, ceil(R_k / group)) f16 | V scales (T, ceil(R_v / group)) f16
     | K codes (T, R_k * bits / 8) u1 | V codes (T, R_v * bits / 8) u1
 
-Format 3 (`engramkv-lowrank-3`) is format 2's layout with one-byte scales (`scale_bytes`; `K scales (T, G) u1 |
-V scales (T, G) u1`) over a weighted projection: each input dimension is
-multiplied by a weight w before it is projected, and divided by it after it is read back, so the fit spends
-its bits where the attention output is most sensitive, not where K or V is largest. For keys w^2 is the
-queries' mean energy on the dimension's rotary pair (a score is q.k, and RoPE turns each pair of q and of k by
-the same angle, so only the pair's energy is position-free); for values, the squared norm of the output
-projection's column that reads that dimension; both summed over the query heads sharing the KV head. Where
-a store's error bites is measured in benchmarks/README.md ("lowrank").
+Format 3 (`engramkv-lowrank-3`, written since 2026-12-03) is format 2's layout with one-byte scales
+(`scale_bytes`: `K scales (T, G) u1 | V scales (T, G) u1`) over a weighted projection: each input dimension
+is multiplied by a weight w before it is projected and divided by it after it is read back, so the fit
+spends its bits where attention is most sensitive, not where K or V is largest. For values w^2 is the
+squared norm of the output projection's column that reads the dimension; for keys (optional, measured to
+gain nothing) the queries' mean energy on the dimension's rotary pair (a score is q.k, and RoPE turns each
+pair of q and of k by the same angle, so only the pair's energy is position-free); both summed over the
+query heads sharing the KV head; an unweighted part stores w = 1. Where a store's error bites is measured
+in benchmarks/README.md ("Cold-tier codecs").
 
 The format also fixes the representatives a store writes (`blob.py`): float16 in format 1, int8 in 2 and 3.
 """
