@@ -17,6 +17,7 @@ language reference, the Debian handbook).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import warnings
@@ -188,7 +189,8 @@ def fit_lowrank_bases(lm: EpisodicLM, cfg: EngineConfig, texts: Iterable[str] | 
             ids = lm.tokenizer.encode("\n\n" + text, add_special_tokens=False)[: lowrank.tokens - read]
             if not ids:
                 continue
-            with queries.recording():
+            # the queries' energy weighs only keys: not recorded (a hook per layer per forward) unless asked
+            with queries.recording() if lowrank.weight_keys else contextlib.nullcontext():
                 session.ingest_ids(ids)
             read += len(ids)
             say(f"read {read:,} / {lowrank.tokens:,} calibration tokens")
