@@ -196,3 +196,20 @@ def test_calibrate_config_file_changes_only_the_fields_it_names(tmp_path):
     cfg = cli._config_file(str(path))
     assert cfg.recall.answer_reading == "centred"
     assert cfg.recall.model_dump(exclude={"answer_reading"}) == EngineConfig().recall.model_dump(exclude={"answer_reading"})
+
+
+def test_ingest_codec_and_config_choose_a_new_stores_codec_and_refuse_another(tmp_path, capsys):
+    bases = tmp_path / "bases.safetensors"
+    assert cli.main(["fit-bases", "--out", str(bases), "--text", str(_doc(tmp_path / "cal.txt", n=1500)),
+                     "--tokens", "1024", "--json"]) == 0
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"store": {"lowrank": {"bases": str(bases)}, "index": {"rank": 8}}}))
+    store, doc = str(tmp_path / "store"), str(_doc(tmp_path / "doc.txt"))
+    capsys.readouterr()
+    assert cli.main(["ingest", doc, "--store", store, "--codec", "lowrank", "--config", str(config), "--json"]) == 0
+    assert cli.main(["stats", "--store", store, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["codec"].startswith("lowrank:")
+    assert cli.main(["ingest", doc, "--store", store, "--codec", "int8"]) == 1
+    err = capsys.readouterr().err
+    assert "created with codec 'lowrank'" in err and "new --store" in err
+    assert cli.main(["ingest", doc, "--store", store, "--json"]) == 0  # no --codec: the store's own

@@ -76,7 +76,16 @@ class _IngestBar:
 # ---------------------------------------------------------------------- commands
 def cmd_ingest(args: argparse.Namespace) -> int:
     lm = _model(args)
-    session = _session(lm, args)
+    config = _config_file(args.config, lm.config) if args.config else lm.config
+    if args.codec is not None:
+        config = _with_options(config, ("store",), args, ("codec",))
+    session = lm.session(config, store=args.store, user_id=args.user, agent_id=args.agent,
+                         session_id=args.session)
+    stored = session.memory.codec.split(":")[0]  # "lowrank:<bases digest>"
+    if args.codec is not None and stored != args.codec:
+        session.close()
+        raise ConfigError(f"{args.store} was created with codec '{stored}'; a store's codec is fixed when it is "
+                          f"created: ingest into a new --store for '{args.codec}'")
     results = []
     try:
         for path in args.paths:
@@ -181,7 +190,7 @@ def cmd_fit_bases(args: argparse.Namespace) -> int:
         raise InputError(f"{out} exists; pass --force to replace it")
     texts = [_read_text(path) for path in args.text] if args.text else None
     lm = _model(args)
-    base = _config_file(args.config) if args.config else lm.config
+    base = _config_file(args.config, lm.config) if args.config else lm.config
     cfg = _with_options(base, ("store", "lowrank"), args, ("tokens", "key_error", "early_key_error",
                                                          "early_layers", "value_error", "heads_per_group",
                                                          "weight_keys", "weight_values"))
@@ -201,14 +210,23 @@ def cmd_fit_bases(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config_file(path: str) -> Any:
-    """An `EngineConfig` from a JSON file of the fields to change (the rest default)."""
+def _config_file(path: str, base: Any = None) -> Any:
+    """`base` (default: a default `EngineConfig`) with the fields a JSON file names changed, at any depth."""
     from pydantic import ValidationError
 
     from engramkv import EngineConfig
 
+    def merged(into: dict[str, Any], changes: Any) -> dict[str, Any]:
+        if not isinstance(changes, dict):
+            raise ConfigError(f"--config {path}: expected a JSON object of config fields, got {changes!r}")
+        for key, value in changes.items():
+            both_sections = isinstance(value, dict) and isinstance(into.get(key), dict)
+            into[key] = merged(into[key], value) if both_sections else value
+        return into
+
     try:
-        return EngineConfig.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
+        changes = json.loads(Path(path).read_text(encoding="utf-8"))
+        return EngineConfig.model_validate(merged((base or EngineConfig()).model_dump(), changes))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"--config {path}: cannot read a JSON config ({err})") from err
     except ValidationError as err:

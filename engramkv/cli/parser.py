@@ -32,6 +32,12 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
                        "files are refused before anything is written. Ctrl-C commits and stops; running the "
                        "same command again resumes where it stopped.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="text files to ingest, in order")
+    p.add_argument("--codec", choices=["fp16", "int8", "int4", "int2", "lowrank"], default=None,
+                   help="cold-tier codec of a new store, fixed at its creation: 'lowrank' is about a sixth of "
+                   "int8 on disk (default: the config's store.codec, int8); an existing store keeps its own, "
+                   "and naming another one is an error")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help='JSON of the EngineConfig fields to change, e.g. {"store": {"index": {"rank": 24}}}')
     _common(p)
     p.set_defaults(run=commands["ingest"])
 
