@@ -146,3 +146,15 @@ def test_encoding_all_layers_at_once_equals_layer_by_layer(codec):
     values = torch.randn(5, 3, 7, 8)
     batched = encode_layers(codec, keys, values)
     assert batched == [encode_layer(codec, keys[i], values[i]) for i in range(5)]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_keys_of_several_events_join_in_order(codec: str) -> None:
+    from engramkv.storage.codec import QuantCodec
+
+    layer_codec = QuantCodec(codec, 2, 8)  # type: ignore[arg-type]
+    events = [kv(2, n, 8, seed=n) for n in (3, 1, 5)]
+    buffers = [encode_layer(codec, k, v) for k, v in events]  # type: ignore[arg-type]
+    joined = layer_codec.decode_keys(0, buffers, [3, 1, 5])
+    assert torch.equal(joined, torch.cat([layer_codec.decode_layer(0, b, n)[0] for b, n in zip(buffers, (3, 1, 5))], 1))
+    assert layer_codec.decode_keys(0, [], []).shape == (2, 0, 8)

@@ -210,6 +210,22 @@ def test_the_codec_writes_what_layer_nbytes_says_and_reads_it_back(fmt):
         codec.encode_layers(keys * float("nan"), values)
 
 
+@pytest.mark.parametrize("fmt", ["v1-4", "v2", "v3"])
+def test_the_keys_of_several_events_decode_at_once_as_they_do_one_by_one(fmt):
+    bases = _bases_of(f"engramkv-lowrank-{fmt[1]}") if fmt in ("v2", "v3") else _bases_v1(4)
+    codec = lowrank_codec.LowRankCodec(bases, "lowrank:00000000", H, D)
+    events = [torch.stack([low_rank_kv(400, 16, seed=s)[:, a : a + n] for s in range(3)]) for a, n in
+              ((0, 3), (10, 7), (50, 1))]  # (L, H, n, D) each: three events of 3, 7 and 1 tokens
+    blobs = [codec.encode_layers(x, x * 0.5) for x in events]
+    for layer in range(3):
+        one_by_one = torch.cat([codec.decode_layer(layer, b[layer], x.shape[2])[0] for b, x in zip(blobs, events)], 1)
+        joined = codec.decode_keys(layer, [memoryview(b[layer]) for b in blobs], [3, 7, 1])
+        assert joined.dtype == torch.float16 and torch.allclose(joined.float(), one_by_one.float(), atol=1e-3)
+    assert codec.decode_keys(0, [], []).shape == (H, 0, D)
+    with pytest.raises(ValueError, match="needs"):
+        codec.decode_keys(0, [blobs[0][0][:-1]], [3])
+
+
 @pytest.mark.parametrize("fmt", sorted(lowrank.FORMATS))
 def test_a_blob_of_the_lowrank_codec_round_trips_with_its_formats_representatives(fmt):
     bases = _bases_of(fmt)

@@ -9,7 +9,7 @@ from engramkv.config import RecallConfig, SegmentationConfig, WindowConfig
 from engramkv import chat
 from engramkv.errors import InputError
 from engramkv.memory.events import Event, InMemoryEventMemory
-from engramkv.memory.summary import key_summary, summary_layer_ids
+from engramkv.memory.summary import key_summaries, key_summary, summary_layer_ids
 from engramkv.retrieval.question import answer_events, match_question, span_scores
 
 from conftest import VOCAB, tiny_pair
@@ -34,6 +34,12 @@ def test_key_summary_ignores_key_norms():
     scaled = keys * torch.rand(2, HEADS, 5, 1) * 100
     assert torch.allclose(key_summary(keys), key_summary(scaled), atol=1e-5)
     assert key_summary(keys).shape == (2 * HEADS * DIM,)
+
+
+def test_key_summaries_of_joined_events_are_each_ones_key_summary():
+    events = [torch.randn(2, HEADS, n, DIM) for n in (4, 1, 6)]
+    joined = key_summaries(torch.cat(events, dim=2), [4, 1, 6])
+    assert torch.allclose(joined, torch.stack([key_summary(k) for k in events]), atol=1e-6)
 
 
 def _memory(event_keys: list[torch.Tensor]) -> InMemoryEventMemory:

@@ -27,6 +27,14 @@ def key_summary(keys: torch.Tensor) -> torch.Tensor:  # keys (S, Hkv, T, D) -> (
     return F.normalize(keys.float(), dim=-1).mean(dim=2).flatten()
 
 
+def key_summaries(keys: torch.Tensor, counts: list[int]) -> torch.Tensor:  # (S, Hkv, sum T, D) -> (N, S * Hkv * D)
+    """`key_summary` of N events at once, their tokens joined along dim 2 (`counts` tokens each, in order)."""
+    owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))  # (sum T,)
+    unit = F.normalize(keys.float(), dim=-1).permute(2, 0, 1, 3)  # (sum T, S, Hkv, D)
+    sums = torch.zeros(len(counts), *unit.shape[1:]).index_add_(0, owner, unit)  # (N, S, Hkv, D)
+    return (sums / torch.tensor(counts, dtype=torch.float32)[:, None, None, None]).flatten(1)
+
+
 def representative(
     keys: torch.Tensor,  # (Hkv, n, D) pre-RoPE keys of the event's tokens
     received: torch.Tensor,  # (Hkv, n) attention each token received while resident

@@ -27,6 +27,7 @@ own searches a flat search over i8 keeps 0.95 of the exact top 10 (f16 0.999), a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -136,6 +137,14 @@ class BlobLayout:
         at = self._layer_start(n_tokens, layer)
         size = self.codec.layer_nbytes(layer, n_tokens)
         return self.codec.decode_layer(layer, memoryview(blob)[at : at + size], n_tokens)
+
+    def layer_keys(self, blobs: Sequence[bytes | memoryview], counts: Sequence[int], layer: int) -> torch.Tensor:
+        """Keys of one layer of several events' blobs, joined along the tokens: float16 (Hkv, sum T, D)."""
+        parts = []
+        for blob, n_tokens in zip(blobs, counts):
+            at = self._layer_start(n_tokens, layer)
+            parts.append(memoryview(blob)[at : at + self.codec.layer_nbytes(layer, n_tokens)])
+        return self.codec.decode_keys(layer, parts, counts)
 
     def _layer_start(self, n_tokens: int, layer: int) -> int:
         """Offset of `layer`'s KV (of `num_layers`: the blob's end)."""

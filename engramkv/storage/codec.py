@@ -26,6 +26,7 @@ implement.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import numpy as np
@@ -174,6 +175,9 @@ class LayerCodec(Protocol):
     def decode_layer(self, layer: int, buffer: bytes | memoryview, n_tokens: int
                      ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def decode_keys(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]
+                    ) -> torch.Tensor: ...  # several events' keys of one layer, joined: (Hkv, sum T, D)
+
 
 class QuantCodec:
     """`LayerCodec` of fp16 / int8 / int4 / int2: every layer the same size, float32 representatives."""
@@ -194,3 +198,8 @@ class QuantCodec:
     def decode_layer(self, layer: int, buffer: bytes | memoryview, n_tokens: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         return decode_layer(self.codec, buffer, self.kv_heads, n_tokens, self.head_dim)
+
+    def decode_keys(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]
+                    ) -> torch.Tensor:
+        keys = [self.decode_layer(layer, b, t)[0] for b, t in zip(buffers, n_tokens)]
+        return torch.cat(keys, dim=1) if keys else torch.empty(self.kv_heads, 0, self.head_dim, dtype=torch.float16)

@@ -66,11 +66,14 @@ class LayerIndexes:
     def __init__(self, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int],
                  representatives_of: Callable[[int], np.ndarray] | None = None,
                  summary_of: Callable[[int], np.ndarray] | None = None,
-                 layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None):
+                 layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None,
+                 summaries_of: Callable[[list[int]], np.ndarray] | None = None):
         if cfg.rank is not None and cfg.rank >= dim:
             raise ConfigError(f"index.rank {cfg.rank} must be below the representatives' width {dim}")
         self.num_layers, self.dim, self.cfg = num_layers, dim, cfg
-        self.summary_of = summary_of  # for re-scoring low-rank hits
+        self.summary_of = summary_of
+        self.summaries_of = summaries_of or (None if summary_of is None else (  # for re-scoring low-rank hits
+            lambda ids: np.stack([summary_of(event_id) for event_id in ids])))
         self.layer_representatives_of = layer_representatives_of or (None if representatives_of is None else (
             lambda ids, layer: np.stack([representatives_of(event_id)[layer] for event_id in ids])))
         self.summary_layers = summary_layers
@@ -130,9 +133,7 @@ class LayerIndexes:
 
     def search_summary(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         if self.kind == "projected":
-            of = self.summary_of
-            return self._search_projected(self.summary, self.summary_projection, 0, summary, k,
-                                          None if of is None else lambda ids: np.stack([of(i) for i in ids]))
+            return self._search_projected(self.summary, self.summary_projection, 0, summary, k, self.summaries_of)
         return _search(self._mirrors[-1] if self._mirrors else self.summary, summary, k)
 
     def _search_projected(self, index: faiss.Index, projection: Projection | None, layer: int, query: torch.Tensor,
@@ -241,19 +242,22 @@ class LayerIndexes:
     def load(cls, directory: Path, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int],
              committed_events: int, representatives_of: Callable[[int], np.ndarray],
              summary_of: Callable[[int], np.ndarray],
-             layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None) -> LayerIndexes:
+             layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None,
+             summaries_of: Callable[[list[int]], np.ndarray] | None = None) -> LayerIndexes:
         """Open the saved indexes and bring them to exactly `committed_events` events (a flat store opened with
         `rank` is projected now, past `project_min_events`).
 
         representatives_of(event_id) -> (layers, dim) float32, read from the event's blob; summary_of(event_id)
         -> (summary_dim,) float32, computed from its keys; layer_representatives_of(ids, layer) -> (len(ids),
-        dim) float32, for re-scoring low-rank searches (default: from representatives_of). A store saved
+        dim) float32, for re-scoring low-rank searches (default: from representatives_of); summaries_of(ids) -> (len(ids),
+        summary_dim), the same (default: from summary_of). A store saved
         with other summary layers (or before summaries existed) gets its summary index rebuilt. The indexes
         are derived data: a damaged file (unreadable, or not the checksum its manifest records) is rebuilt
         from the blobs, which carry checksums of their own.
         """
         def empty() -> LayerIndexes:
-            return cls(num_layers, dim, cfg, summary_layers, representatives_of, summary_of, layer_representatives_of)
+            return cls(num_layers, dim, cfg, summary_layers, representatives_of, summary_of, layer_representatives_of,
+                       summaries_of)
 
         try:
             loaded, start = LayerIndexes._load(directory, empty(), committed_events, summary_of)

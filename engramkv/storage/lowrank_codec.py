@@ -4,6 +4,7 @@ in the formats `storage.lowrank` defines; format 1's group codes and formats 2 a
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -148,35 +149,55 @@ class LowRankCodec:
 
     def decode_layer(self, layer: int, buffer: bytes | memoryview, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values), each float16 (Hkv, T, D)."""
+        buf = self._checked(layer, buffer, n_tokens)
+        t, (k, v) = n_tokens, (layer, layer + len(self.bases.keys))
+        (ks, kc), (vs, vc) = self._sizes[k], self._sizes[v]
+        at = [0, ks * t, (ks + vs) * t, (ks + vs + kc) * t, (ks + vs + kc + vc) * t]
+        return (self._decode_part(k, buf[at[0] : at[1]], buf[at[2] : at[3]], t),
+                self._decode_part(v, buf[at[1] : at[2]], buf[at[3] : at[4]], t))
+
+    def decode_keys(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]) -> torch.Tensor:
+        """Keys of several events' layer bytes, one after another: float16 (Hkv, sum T, D).
+
+        A layer's bytes are token-major sections (key scales, value scales, key codes, value codes), so the
+        key sections of many events join into one decode: re-scoring a question's candidates decodes a few
+        hundred small events per layer, and one call each cost more in overhead than in arithmetic.
+        """
+        if self._v1 or not buffers:
+            return torch.cat([self.decode_layer(layer, b, t)[0] for b, t in zip(buffers, n_tokens)] or
+                             [torch.empty(self.kv_heads, 0, self.head_dim, dtype=torch.float16)], dim=1)
+        k, v = layer, layer + len(self.bases.keys)
+        (ks, kc), vs = self._sizes[k], self._sizes[v][0]
+        scales, codes = [], []
+        for buffer, t in zip(buffers, n_tokens):
+            buf = self._checked(layer, buffer, t)
+            scales.append(buf[: ks * t])
+            codes.append(buf[(ks + vs) * t : (ks + vs + kc) * t])
+        return self._decode_part(k, b"".join(scales), b"".join(codes), sum(n_tokens))
+
+    def _checked(self, layer: int, buffer: bytes | memoryview, n_tokens: int) -> memoryview:
         buf = memoryview(buffer).cast("B")
         n = self.layer_nbytes(layer, n_tokens)
         if buf.nbytes != n:
             raise ValueError(f"lowrank layer {layer} of {n_tokens} tokens needs {n} bytes, got {buf.nbytes}")
-        t, parts = n_tokens, (layer, layer + len(self.bases.keys))
-        at, scales = 0, []
-        for i in parts:
-            size = self._sizes[i][0] * t
-            if self._byte_scales:
-                scales.append(scale_values(torch.from_numpy(np.frombuffer(buf, "u1", size, at).copy())).view(t, -1))
-            else:
-                scales.append(torch.from_numpy(np.frombuffer(buf, "<f2", size // 2, at).astype("f4")).view(t, -1))
-            at += size
-        out = []
-        for i, scale in zip(parts, scales):
-            projection = self._parts[i]
-            raw = np.frombuffer(buf, "u1", t * self._sizes[i][1], at).reshape(t, -1)
-            at += raw.size
-            if self._v1:
-                codes = torch.from_numpy(raw.copy())
-                z = dequantise(_unpack4(codes) if self.bases.bits == 4 else codes, scale, self.bases.bits,
-                               self.bases.group)
-                out.append(projection.reconstruct(z, self.kv_heads).clamp(-F16_MAX, F16_MAX).half())
-                continue
-            reads = self._reads[i]
-            stream = torch.from_numpy(np.unpackbits(raw, axis=1, count=reads[-1][1], bitorder="little")).float()  # (T, B)
-            grouped = torch.stack([(stream[:, first:end] @ m - offset) * scale[:, g, None] + projection.mean[g]
-                                   for g, (first, end, m, offset) in enumerate(reads)])  # (G, T, gD)
-            groups, h = len(reads), self.kv_heads
-            x = grouped.view(groups, t, h // groups, -1).permute(0, 2, 1, 3).reshape(h, t, -1)  # (Hkv, T, D)
-            out.append(x.clamp(-F16_MAX, F16_MAX).half())
-        return out[0], out[1]
+        return buf
+
+    def _decode_part(self, i: int, scale_bytes: bytes | memoryview, code_bytes: bytes | memoryview,
+                     t: int) -> torch.Tensor:  # part i (a layer's keys or values) of T tokens -> float16 (Hkv, T, D)
+        projection = self._parts[i]
+        if self._byte_scales:
+            scale = scale_values(torch.from_numpy(np.frombuffer(scale_bytes, "u1").copy())).view(t, -1)
+        else:
+            scale = torch.from_numpy(np.frombuffer(scale_bytes, "<f2").astype("f4")).view(t, -1)
+        raw = np.frombuffer(code_bytes, "u1").reshape(t, -1)
+        if self._v1:
+            codes = torch.from_numpy(raw.copy())
+            z = dequantise(_unpack4(codes) if self.bases.bits == 4 else codes, scale, self.bases.bits, self.bases.group)
+            return projection.reconstruct(z, self.kv_heads).clamp(-F16_MAX, F16_MAX).half()
+        reads = self._reads[i]
+        stream = torch.from_numpy(np.unpackbits(raw, axis=1, count=reads[-1][1], bitorder="little")).float()  # (T, B)
+        grouped = torch.stack([(stream[:, first:end] @ m - offset) * scale[:, g, None] + projection.mean[g]
+                               for g, (first, end, m, offset) in enumerate(reads)])  # (G, T, gD)
+        groups, h = len(reads), self.kv_heads
+        x = grouped.view(groups, t, h // groups, -1).permute(0, 2, 1, 3).reshape(h, t, -1)  # (Hkv, T, D)
+        return x.clamp(-F16_MAX, F16_MAX).half()

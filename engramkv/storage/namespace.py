@@ -31,7 +31,7 @@ import torch
 
 from engramkv.errors import ReadOnlyError, StoreCorruptError, StoreError, StoreFullError
 from engramkv.memory.events import DocumentProgress, Event, TierBytes
-from engramkv.memory.summary import key_summary
+from engramkv.memory.summary import key_summaries
 from engramkv.storage import catalog as cat
 from engramkv.storage.blob import BlobLayout
 from engramkv.storage.columns import EventColumns
@@ -89,7 +89,7 @@ class NamespaceMemory:
         self.warm: LRUBytes[int, bytes] = LRUBytes(cfg.warm_bytes, len)
         self.indexes = LayerIndexes.load(self.dir / "index", spec.num_layers, self.layout.dim, cfg.index,
                                          summary_layers, self.committed_events, self.representatives,
-                                         self._key_summary, self.layer_representatives)
+                                         self._key_summary, self.layer_representatives, self._key_summaries)
         self._index_saved_at = self.indexes.saved_events  # what was caught up or rebuilt gets saved at a commit
         prefetch = cfg.prefetch == "on" or (cfg.prefetch == "auto" and device.type == "cuda")
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="engramkv-prefetch") if prefetch else None
@@ -239,8 +239,14 @@ class NamespaceMemory:
             raise StoreCorruptError(f"event {event_id} of {self.namespace}: {err}") from err
 
     def _key_summary(self, event_id: int) -> np.ndarray:  # (S,) from the stored keys
-        keys = torch.stack([self._decode(event_id, layer)[0] for layer in self.summary_layers])  # (S, Hkv, n, D)
-        return key_summary(keys).numpy()
+        return self._key_summaries([event_id])[0]
+
+    def _key_summaries(self, event_ids: list[int]) -> np.ndarray:  # (N, S) from the stored keys
+        """Each summary layer's keys of all the events decoded at once (`LayerCodec.decode_keys`)."""
+        counts = [self._columns.n_tokens(e) for e in event_ids]
+        blobs = [self._blob(e) for e in event_ids]
+        keys = torch.stack([self.layout.layer_keys(blobs, counts, layer) for layer in self.summary_layers])
+        return key_summaries(keys, counts).numpy()  # keys (S, Hkv, sum T, D)
 
     # ------------------------------------------------------------------ commits and checkpoints
     def commit(self, snapshot: dict[str, Any], document: DocumentProgress | None = None) -> None:
