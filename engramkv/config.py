@@ -312,7 +312,7 @@ class LowRankConfig(_Strict):
     bases: str | None = Field(default=None, description="Bases file (from `engramkv fit-bases`) a new lowrank "
                               "store copies; None: those shipped for the model. A store reads its own copy.")
     heads_per_group: int | None = Field(default=None, ge=1, description="KV heads sharing one basis (None: all).")
-    key_error: float = Field(default=0.08, gt=0, lt=1, description="Fit: each layer's keys get the fewest bits "
+    key_error: float = Field(default=0.10, gt=0, lt=1, description="Fit: each layer's keys get the fewest bits "
                              "whose held-out error (relative to the centred keys) is within this (see early_key_error).")
     early_key_error: float | None = Field(default=0.25, gt=0, lt=1, description="Fit: the keys' budget in the first "
                                           "`early_layers` of the layers (None: key_error); their error costs less.")
