@@ -382,3 +382,16 @@ def test_a_new_lowrank_store_needs_bases_of_its_model(tmp_path, tiny_bases):
 def test_the_default_calibration_text_is_there_offline():
     pieces = list(stdlib_docstrings())
     assert len(pieces) > 200 and sum(map(len, pieces)) > 200_000
+
+
+@pytest.mark.parametrize("fmt", ["v1-4", "v3"])
+def test_keys_and_values_of_several_events_decode_joined_as_one_by_one(fmt):
+    bases = _bases_of("engramkv-lowrank-3") if fmt == "v3" else _bases_v1(4)
+    codec = lowrank_codec.LowRankCodec(bases, "lowrank:00000000", H, D)
+    events = [torch.stack([low_rank_kv(400, 16, seed=s)[:, a : a + n] for s in range(3)]) for a, n in ((0, 2), (9, 5))]
+    blobs = [codec.encode_layers(x, x * 0.5) for x in events]
+    keys, values = codec.decode_joined(1, [b[1] for b in blobs], [2, 5])
+    one = [codec.decode_layer(1, b[1], x.shape[2]) for b, x in zip(blobs, events)]
+    assert torch.allclose(keys.float(), torch.cat([k for k, _ in one], 1).float(), atol=1e-3)
+    assert values is not None and torch.allclose(values.float(), torch.cat([v for _, v in one], 1).float(), atol=1e-3)
+    assert codec.decode_joined(1, [b[1] for b in blobs], [2, 5], values=False)[1] is None

@@ -34,6 +34,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from engramkv.memory.summary import key_summaries
 from engramkv.storage.codec import F16_MAX, LayerCodec
 
 REPRESENTATIVE_FORMATS = ("f32", "f16", "i8")
@@ -140,11 +141,30 @@ class BlobLayout:
 
     def layer_keys(self, blobs: Sequence[bytes | memoryview], counts: Sequence[int], layer: int) -> torch.Tensor:
         """Keys of one layer of several events' blobs, joined along the tokens: float16 (Hkv, sum T, D)."""
+        return self.codec.decode_keys(layer, self._layer_parts(blobs, counts, layer), counts)
+
+    def layer_kv_each(self, blobs: Sequence[bytes | memoryview], counts: Sequence[int], layer: int
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(keys, values) of one layer of each blob, float16 (Hkv, T, D), decoded in one call (`decode_joined`)."""
+        if not blobs:
+            return []
+        keys, values = self.codec.decode_joined(layer, self._layer_parts(blobs, counts, layer), counts)
+        assert values is not None
+        # clones: each pair gets storage of its own, so a cache can drop them one by one
+        return [(k.clone(), v.clone()) for k, v in zip(keys.split(list(counts), dim=1), values.split(list(counts), dim=1))]
+
+    def key_summaries(self, blobs: Sequence[bytes | memoryview], counts: Sequence[int], layers: Sequence[int]
+                      ) -> np.ndarray:  # (N, S) float32
+        """`memory.summary.key_summary` of each blob's keys in `layers`, each layer's keys decoded in one call."""
+        keys = torch.stack([self.layer_keys(blobs, counts, layer) for layer in layers])  # (S, Hkv, sum T, D)
+        return key_summaries(keys, list(counts)).numpy()
+
+    def _layer_parts(self, blobs: Sequence[bytes | memoryview], counts: Sequence[int], layer: int) -> list[memoryview]:
         parts = []
         for blob, n_tokens in zip(blobs, counts):
             at = self._layer_start(n_tokens, layer)
             parts.append(memoryview(blob)[at : at + self.codec.layer_nbytes(layer, n_tokens)])
-        return self.codec.decode_keys(layer, parts, counts)
+        return parts
 
     def _layer_start(self, n_tokens: int, layer: int) -> int:
         """Offset of `layer`'s KV (of `num_layers`: the blob's end)."""

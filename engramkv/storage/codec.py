@@ -178,6 +178,9 @@ class LayerCodec(Protocol):
     def decode_keys(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]
                     ) -> torch.Tensor: ...  # several events' keys of one layer, joined: (Hkv, sum T, D)
 
+    def decode_joined(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # the same, (keys, values)
+
 
 class QuantCodec:
     """`LayerCodec` of fp16 / int8 / int4 / int2: every layer the same size, float32 representatives."""
@@ -201,5 +204,10 @@ class QuantCodec:
 
     def decode_keys(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]
                     ) -> torch.Tensor:
-        keys = [self.decode_layer(layer, b, t)[0] for b, t in zip(buffers, n_tokens)]
-        return torch.cat(keys, dim=1) if keys else torch.empty(self.kv_heads, 0, self.head_dim, dtype=torch.float16)
+        return self.decode_joined(layer, buffers, n_tokens)[0]
+
+    def decode_joined(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pairs = [self.decode_layer(layer, b, t) for b, t in zip(buffers, n_tokens)]
+        empty = torch.empty(self.kv_heads, 0, self.head_dim, dtype=torch.float16)
+        return torch.cat([k for k, _ in pairs] or [empty], dim=1), torch.cat([v for _, v in pairs] or [empty], dim=1)

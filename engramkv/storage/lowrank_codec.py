@@ -157,23 +157,34 @@ class LowRankCodec:
                 self._decode_part(v, buf[at[1] : at[2]], buf[at[3] : at[4]], t))
 
     def decode_keys(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]) -> torch.Tensor:
-        """Keys of several events' layer bytes, one after another: float16 (Hkv, sum T, D).
+        """Keys of several events' layer bytes, one after another: float16 (Hkv, sum T, D)."""
+        return self.decode_joined(layer, buffers, n_tokens, values=False)[0]
+
+    def decode_joined(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int],
+                      values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(keys, values or None) of several events' layer bytes, joined along the tokens: float16 (Hkv, sum T, D).
 
         A layer's bytes are token-major sections (key scales, value scales, key codes, value codes), so the
-        key sections of many events join into one decode: re-scoring a question's candidates decodes a few
-        hundred small events per layer, and one call each cost more in overhead than in arithmetic.
+        sections of many events join into one decode: a recall decodes tens to hundreds of small events per
+        layer, and one call each cost more in overhead than in arithmetic.
         """
         if self._v1 or not buffers:
-            return torch.cat([self.decode_layer(layer, b, t)[0] for b, t in zip(buffers, n_tokens)] or
-                             [torch.empty(self.kv_heads, 0, self.head_dim, dtype=torch.float16)], dim=1)
+            empty = torch.empty(self.kv_heads, 0, self.head_dim, dtype=torch.float16)
+            pairs = [self.decode_layer(layer, b, t) for b, t in zip(buffers, n_tokens)]
+            return (torch.cat([k for k, _ in pairs] or [empty], dim=1),
+                    torch.cat([v for _, v in pairs] or [empty], dim=1) if values else None)
         k, v = layer, layer + len(self.bases.keys)
-        (ks, kc), vs = self._sizes[k], self._sizes[v][0]
-        scales, codes = [], []
+        (ks, kc), (vs, vc) = self._sizes[k], self._sizes[v]
+        sections: list[list[memoryview]] = [[], [], [], []]  # key scales, value scales, key codes, value codes
         for buffer, t in zip(buffers, n_tokens):
             buf = self._checked(layer, buffer, t)
-            scales.append(buf[: ks * t])
-            codes.append(buf[(ks + vs) * t : (ks + vs + kc) * t])
-        return self._decode_part(k, b"".join(scales), b"".join(codes), sum(n_tokens))
+            at = [0, ks * t, (ks + vs) * t, (ks + vs + kc) * t, (ks + vs + kc + vc) * t]
+            for i in range(4):
+                sections[i].append(buf[at[i] : at[i + 1]])
+        total = sum(n_tokens)
+        joined = [b"".join(parts) for parts in sections]
+        keys = self._decode_part(k, joined[0], joined[2], total)
+        return keys, self._decode_part(v, joined[1], joined[3], total) if values else None
 
     def _checked(self, layer: int, buffer: bytes | memoryview, n_tokens: int) -> memoryview:
         buf = memoryview(buffer).cast("B")

@@ -31,7 +31,6 @@ import torch
 
 from engramkv.errors import ReadOnlyError, StoreCorruptError, StoreError, StoreFullError
 from engramkv.memory.events import DocumentProgress, Event, TierBytes
-from engramkv.memory.summary import key_summaries
 from engramkv.storage import catalog as cat
 from engramkv.storage.blob import BlobLayout
 from engramkv.storage.columns import EventColumns
@@ -93,7 +92,7 @@ class NamespaceMemory:
         self._index_saved_at = self.indexes.saved_events  # what was caught up or rebuilt gets saved at a commit
         prefetch = cfg.prefetch == "on" or (cfg.prefetch == "auto" and device.type == "cuda")
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="engramkv-prefetch") if prefetch else None
-        self._prefetching: Future[None] | None = None
+        self._prefetching: Future[Any] | None = None
 
     def _recover(self) -> None:
         """Cut what the last committed transaction does not point at: blob tails, newer checkpoints."""
@@ -164,10 +163,11 @@ class NamespaceMemory:
         self._await_prefetch()  # the worker fills the same caches; let it finish first
         if self.read_ahead:
             self._read_ahead(layer, event_ids)
-        blocks = [self._layer_kv(event_id, layer) for event_id in event_ids]
+        kv = self._layer_kv(layer, event_ids)
+        blocks = [kv[event_id] for event_id in event_ids]
         if self._prefetcher is not None and layer + 1 < self.layout.num_layers and event_ids:
             # The next layer usually recalls mostly the same events: decode them while this layer attends.
-            self._prefetching = self._prefetcher.submit(self._warm_up, layer + 1, list(event_ids))
+            self._prefetching = self._prefetcher.submit(self._layer_kv, layer + 1, list(event_ids))
         if not blocks:
             empty = torch.empty(self.layout.kv_heads, 0, self.layout.head_dim, dtype=self.dtype, device=self.device)
             return empty, empty
@@ -202,21 +202,15 @@ class NamespaceMemory:
             except SegmentError as err:
                 raise StoreCorruptError(f"namespace {self.namespace}: {err}") from err
 
-    def _warm_up(self, layer: int, event_ids: list[int]) -> None:
-        for event_id in event_ids:
-            self._layer_kv(event_id, layer)
-
-    def _layer_kv(self, event_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # (Hkv, n, D) each
-        cached = self.hot.get((event_id, layer))
-        if cached is not None:
-            return cached
-        k, v = self._decode(event_id, layer)
-        kv = (k.to(self.device, self.dtype, non_blocking=True), v.to(self.device, self.dtype, non_blocking=True))
-        self.hot.put((event_id, layer), kv)
-        return kv
-
-    def _decode(self, event_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:  # (Hkv, n, D) float16 each
-        return self.layout.layer_kv(self._blob(event_id), self._columns.n_tokens(event_id), layer)
+    def _layer_kv(self, layer: int, event_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """`layer` of each event, (Hkv, n, D) each: from the hot tier, the rest decoded in one call and put there."""
+        kv = {e: self.hot.get((e, layer)) for e in event_ids}
+        missing = [e for e, pair in kv.items() if pair is None]
+        counts = [self._columns.n_tokens(e) for e in missing]
+        for e, (k, v) in zip(missing, self.layout.layer_kv_each([self._blob(e) for e in missing], counts, layer)):
+            kv[e] = (k.to(self.device, self.dtype, non_blocking=True), v.to(self.device, self.dtype, non_blocking=True))
+            self.hot.put((e, layer), kv[e])
+        return kv  # type: ignore[return-value]  # every None was replaced
 
     def _blob(self, event_id: int) -> bytes:
         """The event's whole blob: warm tier, else read (and checksum) from the cold tier."""
@@ -242,11 +236,8 @@ class NamespaceMemory:
         return self._key_summaries([event_id])[0]
 
     def _key_summaries(self, event_ids: list[int]) -> np.ndarray:  # (N, S) from the stored keys
-        """Each summary layer's keys of all the events decoded at once (`LayerCodec.decode_keys`)."""
         counts = [self._columns.n_tokens(e) for e in event_ids]
-        blobs = [self._blob(e) for e in event_ids]
-        keys = torch.stack([self.layout.layer_keys(blobs, counts, layer) for layer in self.summary_layers])
-        return key_summaries(keys, counts).numpy()  # keys (S, Hkv, sum T, D)
+        return self.layout.key_summaries([self._blob(e) for e in event_ids], counts, self.summary_layers)
 
     # ------------------------------------------------------------------ commits and checkpoints
     def commit(self, snapshot: dict[str, Any], document: DocumentProgress | None = None) -> None:
