@@ -155,6 +155,6 @@ def test_keys_of_several_events_join_in_order(codec: str) -> None:
     layer_codec = QuantCodec(codec, 2, 8)  # type: ignore[arg-type]
     events = [kv(2, n, 8, seed=n) for n in (3, 1, 5)]
     buffers = [encode_layer(codec, k, v) for k, v in events]  # type: ignore[arg-type]
-    joined = layer_codec.decode_keys(0, buffers, [3, 1, 5])
+    joined = layer_codec.decode_joined(0, buffers, [3, 1, 5], values=False)[0]
     assert torch.equal(joined, torch.cat([layer_codec.decode_layer(0, b, n)[0] for b, n in zip(buffers, (3, 1, 5))], 1))
-    assert layer_codec.decode_keys(0, [], []).shape == (2, 0, 8)
+    assert layer_codec.decode_joined(0, [], [], values=False)[0].shape == (2, 0, 8)

@@ -219,11 +219,11 @@ def test_the_keys_of_several_events_decode_at_once_as_they_do_one_by_one(fmt):
     blobs = [codec.encode_layers(x, x * 0.5) for x in events]
     for layer in range(3):
         one_by_one = torch.cat([codec.decode_layer(layer, b[layer], x.shape[2])[0] for b, x in zip(blobs, events)], 1)
-        joined = codec.decode_keys(layer, [memoryview(b[layer]) for b in blobs], [3, 7, 1])
+        joined = codec.decode_joined(layer, [memoryview(b[layer]) for b in blobs], [3, 7, 1], values=False)[0]
         assert joined.dtype == torch.float16 and torch.allclose(joined.float(), one_by_one.float(), atol=1e-3)
-    assert codec.decode_keys(0, [], []).shape == (H, 0, D)
+    assert codec.decode_joined(0, [], [], values=False)[0].shape == (H, 0, D)
     with pytest.raises(ValueError, match="needs"):
-        codec.decode_keys(0, [blobs[0][0][:-1]], [3])
+        codec.decode_joined(0, [blobs[0][0][:-1]], [3], values=False)[0]
 
 
 @pytest.mark.parametrize("fmt", sorted(lowrank.FORMATS))

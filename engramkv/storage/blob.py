@@ -141,7 +141,7 @@ class BlobLayout:
 
     def layer_keys(self, blobs: Sequence[bytes | memoryview], counts: Sequence[int], layer: int) -> torch.Tensor:
         """Keys of one layer of several events' blobs, joined along the tokens: float16 (Hkv, sum T, D)."""
-        return self.codec.decode_keys(layer, self._layer_parts(blobs, counts, layer), counts)
+        return self.codec.decode_joined(layer, self._layer_parts(blobs, counts, layer), counts, values=False)[0]
 
     def layer_kv_each(self, blobs: Sequence[bytes | memoryview], counts: Sequence[int], layer: int
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -175,11 +175,9 @@ class LayerCodec(Protocol):
     def decode_layer(self, layer: int, buffer: bytes | memoryview, n_tokens: int
                      ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def decode_keys(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]
-                    ) -> torch.Tensor: ...  # several events' keys of one layer, joined: (Hkv, sum T, D)
-
-    def decode_joined(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]: ...  # the same, (keys, values)
+    def decode_joined(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int],
+                      values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    # several events' (keys, values or None) of one layer, joined along the tokens: (Hkv, sum T, D) each
 
 
 class QuantCodec:
@@ -202,12 +200,9 @@ class QuantCodec:
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         return decode_layer(self.codec, buffer, self.kv_heads, n_tokens, self.head_dim)
 
-    def decode_keys(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]
-                    ) -> torch.Tensor:
-        return self.decode_joined(layer, buffers, n_tokens)[0]
-
-    def decode_joined(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode_joined(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int],
+                      values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         pairs = [self.decode_layer(layer, b, t) for b, t in zip(buffers, n_tokens)]
         empty = torch.empty(self.kv_heads, 0, self.head_dim, dtype=torch.float16)
-        return torch.cat([k for k, _ in pairs] or [empty], dim=1), torch.cat([v for _, v in pairs] or [empty], dim=1)
+        keys = torch.cat([k for k, _ in pairs] or [empty], dim=1)
+        return keys, torch.cat([v for _, v in pairs] or [empty], dim=1) if values else None

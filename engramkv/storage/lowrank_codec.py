@@ -156,10 +156,6 @@ class LowRankCodec:
         return (self._decode_part(k, buf[at[0] : at[1]], buf[at[2] : at[3]], t),
                 self._decode_part(v, buf[at[1] : at[2]], buf[at[3] : at[4]], t))
 
-    def decode_keys(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int]) -> torch.Tensor:
-        """Keys of several events' layer bytes, one after another: float16 (Hkv, sum T, D)."""
-        return self.decode_joined(layer, buffers, n_tokens, values=False)[0]
-
     def decode_joined(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int],
                       values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(keys, values or None) of several events' layer bytes, joined along the tokens: float16 (Hkv, sum T, D).
