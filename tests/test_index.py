@@ -82,7 +82,7 @@ def test_ivf_layer_indexes_are_centred_and_keep_the_exact_ranking(tmp_path):
     assert overlap(index) >= 0.9
     index.save(tmp_path)
     reloaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, n + 50,
-                                 lambda e: vectors[e % n], lambda e: _summary(vectors[e % n]))
+                                 lambda e: vectors[e % n], lambda ids: np.stack([_summary(vectors[e % n]) for e in ids]))
     assert np.array_equal(reloaded.centres, index.centres) and len(reloaded) == n + 50
     assert overlap(reloaded) >= 0.9  # events added after the reload are centred the same way
 
@@ -122,7 +122,7 @@ def test_an_interrupted_ivf_rebuild_loses_nothing_and_the_next_add_finishes_it(t
     assert overlap(index, 0, 400) >= 0.9 and overlap(index, 1, 400) == 1.0  # IVF (all lists probed) and flat
     index.save(tmp_path)  # saved half-rebuilt, reloaded, and finished by the next add
     reloaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, 400,
-                                 lambda e: vectors[e], lambda e: _summary(vectors[e]))
+                                 lambda e: vectors[e], lambda ids: np.stack([_summary(vectors[e]) for e in ids]))
     monkeypatch.setattr(LayerIndexes, "_ivf", real_ivf)
     reloaded.add(400, vectors[400], _summary(vectors[400]))
     assert reloaded.kind == "ivf" and len(reloaded) == 401
@@ -142,13 +142,13 @@ def test_save_load_and_catch_up(tmp_path):
 
     summaries_computed = []
 
-    def summary_of(event_id: int) -> np.ndarray:
-        summaries_computed.append(event_id)
-        return _summary(representatives_of(event_id))
+    def summaries_of(ids: list[int]) -> np.ndarray:
+        summaries_computed.extend(ids)
+        return np.stack([_summary(representatives_of(e)) for e in ids])
 
     def load(committed: int, summary_layers: list[int] = SUMMARY_LAYERS) -> LayerIndexes:
         summaries_computed.clear()
-        return LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, summary_layers, committed, representatives_of, summary_of)
+        return LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, summary_layers, committed, representatives_of, summaries_of)
 
     loaded = load(40)
     assert len(loaded) == 40 and int(loaded.summary.ntotal) == 40
@@ -182,7 +182,7 @@ def test_indexes_saved_as_idmap2_by_earlier_versions_load_grow_and_become_ivf(tm
     (tmp_path / "manifest.json").write_text(json.dumps(
         {"events": 40, "kind": "flat", "layers": LAYERS, "summary_layers": SUMMARY_LAYERS}))
     loaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, 100,
-                               lambda e: vectors[e], lambda e: _summary(vectors[e]))
+                               lambda e: vectors[e], lambda ids: np.stack([_summary(vectors[e]) for e in ids]))
     assert loaded.saved_events == 40 and loaded.kind == "ivf" and len(loaded) == 100
     assert all(isinstance(index, faiss.IndexIVFScalarQuantizer) for index in [*loaded.indexes, loaded.summary])
     found = sum(event_id in loaded.search(0, torch.from_numpy(vectors[event_id, 0] * 10), k=5)[0]
@@ -198,18 +198,18 @@ def test_a_summary_of_other_layers_or_a_missing_one_is_rebuilt(tmp_path):
     index.save(tmp_path)
     computed = []
 
-    def summary_of(event_id: int) -> np.ndarray:
-        computed.append(event_id)
-        return vectors[event_id][[0]].reshape(-1)
+    def summaries_of(ids: list[int]) -> np.ndarray:
+        computed.extend(ids)
+        return vectors[ids][:, 0]
 
-    loaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, [0], 12, lambda e: vectors[e], summary_of)
+    loaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, [0], 12, lambda e: vectors[e], summaries_of)
     assert computed == list(range(12)) and loaded.summary_layers == [0]
     assert loaded.saved_events == 0  # a rebuilt summary index must be written again
     query = vectors[5][0]
     assert loaded.search_summary(torch.from_numpy(query), k=1)[0] == [int(np.argmax(vectors[:, 0] @ query))]
     (tmp_path / "summary.faiss").unlink()
     computed.clear()
-    LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, 12, lambda e: vectors[e], summary_of)
+    LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, 12, lambda e: vectors[e], summaries_of)
     assert computed == list(range(12))
 
 
@@ -265,11 +265,11 @@ def test_a_damaged_index_file_is_rebuilt_from_the_blobs(tmp_path, name, damage):
     path.write_bytes(bytes(data))
     summaries_computed = []
 
-    def summary_of(event_id: int) -> np.ndarray:
-        summaries_computed.append(event_id)
-        return _summary(vectors[event_id])
+    def summaries_of(ids: list[int]) -> np.ndarray:
+        summaries_computed.extend(ids)
+        return np.stack([_summary(vectors[e]) for e in ids])
 
-    loaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, 25, lambda e: vectors[e], summary_of)
+    loaded = LayerIndexes.load(tmp_path, LAYERS, DIM, cfg, SUMMARY_LAYERS, 25, lambda e: vectors[e], summaries_of)
     assert len(loaded) == 25 and int(loaded.summary.ntotal) == 25
     assert summaries_computed == list(range(25)) and loaded.saved_events == 0  # rebuilt; saved at the next commit
     for event_id in (0, 12, 24):  # the rebuilt indexes are exact again

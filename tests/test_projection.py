@@ -30,7 +30,7 @@ def _summary(vectors: np.ndarray) -> np.ndarray:  # (layers, F) -> (S * F,)
 
 
 def _filled(vectors: np.ndarray, cfg: IndexConfig = CFG) -> LayerIndexes:
-    index = LayerIndexes(LAYERS, DIM, cfg, SUMMARY_LAYERS, lambda e: vectors[e], lambda e: _summary(vectors[e]))
+    index = LayerIndexes(LAYERS, DIM, cfg, SUMMARY_LAYERS, lambda e: vectors[e], lambda ids: np.stack([_summary(vectors[e]) for e in ids]))
     for event_id in range(len(vectors)):
         index.add(event_id, vectors[event_id], _summary(vectors[event_id]))
     return index
@@ -80,7 +80,7 @@ def test_a_low_rank_index_is_saved_loaded_caught_up_and_rebuilt_when_damaged(tmp
 
     def load() -> LayerIndexes:
         return LayerIndexes.load(tmp_path, LAYERS, DIM, CFG, SUMMARY_LAYERS, 150, lambda e: vectors[e],
-                                 lambda e: _summary(vectors[e]))
+                                 lambda ids: np.stack([_summary(vectors[e]) for e in ids]))
 
     loaded = load()
     assert loaded.kind == "projected" and len(loaded) == 150 and loaded.saved_events == 100
@@ -137,7 +137,7 @@ def test_a_flat_index_opened_with_a_rank_is_projected_on_open_and_searches_as_be
     flat = _filled(vectors, IndexConfig())
     flat.save(tmp_path)
     loaded = LayerIndexes.load(tmp_path, LAYERS, DIM, CFG, SUMMARY_LAYERS, 100, lambda e: vectors[e],
-                               lambda e: _summary(vectors[e]))
+                               lambda ids: np.stack([_summary(vectors[e]) for e in ids]))
     assert flat.kind == "flat" and loaded.kind == "projected"
     query = torch.from_numpy(np.random.default_rng(4).standard_normal(DIM).astype(np.float32))
     for layer in range(LAYERS):

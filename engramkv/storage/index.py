@@ -23,7 +23,7 @@ matched against (`retrieval.question`). It is derived from the stored keys, so a
 gets it rebuilt on open.
 
 With `IndexConfig.rank`, past `project_min_events` the indexes hold low-rank codes (`storage.projection`): no
-ids, no IVF, searches re-scored exactly (`layer_representatives_of`, else `representatives_of`; `summary_of`).
+ids, no IVF, searches re-scored exactly (`layer_representatives_of`, else `representatives_of`; `summaries_of`).
 
 With a GPU build of FAISS (`IndexConfig.device`), searches run on a GPU copy of each index that every
 add also updates; the CPU indexes stay the ones that are saved, rebuilt and caught up.
@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +65,12 @@ class LayerIndexes:
 
     def __init__(self, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int],
                  representatives_of: Callable[[int], np.ndarray] | None = None,
-                 summary_of: Callable[[int], np.ndarray] | None = None,
-                 layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None,
-                 summaries_of: Callable[[list[int]], np.ndarray] | None = None):
+                 summaries_of: Callable[[list[int]], np.ndarray] | None = None,
+                 layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None):
         if cfg.rank is not None and cfg.rank >= dim:
             raise ConfigError(f"index.rank {cfg.rank} must be below the representatives' width {dim}")
         self.num_layers, self.dim, self.cfg = num_layers, dim, cfg
-        self.summary_of = summary_of
-        self.summaries_of = summaries_of or (None if summary_of is None else (  # for re-scoring low-rank hits
-            lambda ids: np.stack([summary_of(event_id) for event_id in ids])))
+        self.summaries_of = summaries_of  # for re-scoring low-rank hits
         self.layer_representatives_of = layer_representatives_of or (None if representatives_of is None else (
             lambda ids, layer: np.stack([representatives_of(event_id)[layer] for event_id in ids])))
         self.summary_layers = summary_layers
@@ -140,7 +137,7 @@ class LayerIndexes:
                           k: int, exact_of: Callable[[list[int]], np.ndarray] | None) -> tuple[list[int], list[float]]:
         if projection is None or exact_of is None:
             raise ConfigError("a low-rank index re-scores its hits from the events' stored vectors: build it with "
-                              "representatives_of and summary_of")
+                              "representatives_of and summaries_of")
         q = query.detach().float().cpu().numpy().reshape(-1)  # (F,)
         return search_codes(index, projection, layer, q, k, max(k, self.cfg.rerank), exact_of)
 
@@ -241,37 +238,36 @@ class LayerIndexes:
     @classmethod
     def load(cls, directory: Path, num_layers: int, dim: int, cfg: IndexConfig, summary_layers: list[int],
              committed_events: int, representatives_of: Callable[[int], np.ndarray],
-             summary_of: Callable[[int], np.ndarray],
-             layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None,
-             summaries_of: Callable[[list[int]], np.ndarray] | None = None) -> LayerIndexes:
+             summaries_of: Callable[[list[int]], np.ndarray],
+             layer_representatives_of: Callable[[list[int], int], np.ndarray] | None = None) -> LayerIndexes:
         """Open the saved indexes and bring them to exactly `committed_events` events (a flat store opened with
         `rank` is projected now, past `project_min_events`).
 
-        representatives_of(event_id) -> (layers, dim) float32, read from the event's blob; summary_of(event_id)
-        -> (summary_dim,) float32, computed from its keys; layer_representatives_of(ids, layer) -> (len(ids),
-        dim) float32, for re-scoring low-rank searches (default: from representatives_of); summaries_of(ids) -> (len(ids),
-        summary_dim), the same (default: from summary_of). A store saved
+        representatives_of(event_id) -> (layers, dim) float32, read from the event's blob; summaries_of(ids)
+        -> (len(ids), summary_dim) float32, computed from their keys (for catching up, rebuilding and re-scoring
+        low-rank searches); layer_representatives_of(ids, layer) -> (len(ids), dim) float32, for re-scoring
+        low-rank searches (default: from representatives_of). A store saved
         with other summary layers (or before summaries existed) gets its summary index rebuilt. The indexes
         are derived data: a damaged file (unreadable, or not the checksum its manifest records) is rebuilt
         from the blobs, which carry checksums of their own.
         """
         def empty() -> LayerIndexes:
-            return cls(num_layers, dim, cfg, summary_layers, representatives_of, summary_of, layer_representatives_of,
-                       summaries_of)
+            return cls(num_layers, dim, cfg, summary_layers, representatives_of, summaries_of, layer_representatives_of)
 
         try:
-            loaded, start = LayerIndexes._load(directory, empty(), committed_events, summary_of)
+            loaded, start = LayerIndexes._load(directory, empty(), committed_events, summaries_of)
         except _Damaged:
             loaded, start = empty(), 0
-        for event_id in range(start, committed_events):  # catch up from the blobs
-            loaded.add(event_id, representatives_of(event_id), summary_of(event_id))
+        for ids in _batches(start, committed_events):  # catch up from the blobs
+            for event_id, summary in zip(ids, summaries_of(ids)):
+                loaded.add(event_id, representatives_of(event_id), summary)
         if loaded.kind == "flat" and cfg.rank is not None and len(loaded) >= cfg.project_min_events:
             loaded._to_projected()
         return loaded
 
     @staticmethod
     def _load(directory: Path, loaded: LayerIndexes, committed_events: int,
-              summary_of: Callable[[int], np.ndarray]) -> tuple[LayerIndexes, int]:
+              summaries_of: Callable[[list[int]], np.ndarray]) -> tuple[LayerIndexes, int]:
         """(`loaded`, new and empty, filled from the saved files; the events they held)."""
         cfg, summary_layers, num_layers = loaded.cfg, loaded.summary_layers, loaded.num_layers
         manifest = directory / "manifest.json"
@@ -307,8 +303,8 @@ class LayerIndexes:
                         loaded.saved_events = start
                     else:  # missing, stale or torn: rebuild from the blobs
                         loaded.summary = _flat(loaded.summary_dim)
-                        for event_id in range(start):
-                            loaded.summary.add_with_ids(summary_of(event_id).reshape(1, -1), np.array([event_id]))
+                        for ids in _batches(0, start):
+                            loaded.summary.add_with_ids(summaries_of(ids), np.array(ids))
                         if loaded.kind == "ivf":
                             loaded.summary = loaded._ivf(*_vectors(loaded.summary))
                         elif loaded.kind == "projected":
@@ -357,6 +353,12 @@ def _read(path: Path, checksums: dict[str, Any]) -> faiss.Index:
     except RuntimeError as err:  # FAISS's own error for a file it cannot parse
         raise _Damaged(f"{path}: {err}") from err
 
+
+
+def _batches(start: int, end: int, size: int = 1024) -> Iterator[list[int]]:
+    """Event ids start..end-1 in lists of `size`: summaries are decoded many events at a time."""
+    for first in range(start, end, size):
+        yield list(range(first, min(first + size, end)))
 
 
 def _vectors(flat: faiss.Index) -> tuple[np.ndarray, np.ndarray]:

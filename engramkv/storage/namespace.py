@@ -88,7 +88,7 @@ class NamespaceMemory:
         self.warm: LRUBytes[int, bytes] = LRUBytes(cfg.warm_bytes, len)
         self.indexes = LayerIndexes.load(self.dir / "index", spec.num_layers, self.layout.dim, cfg.index,
                                          summary_layers, self.committed_events, self.representatives,
-                                         self._key_summary, self.layer_representatives, self._key_summaries)
+                                         self._key_summaries, self.layer_representatives)
         self._index_saved_at = self.indexes.saved_events  # what was caught up or rebuilt gets saved at a commit
         prefetch = cfg.prefetch == "on" or (cfg.prefetch == "auto" and device.type == "cuda")
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="engramkv-prefetch") if prefetch else None
@@ -231,9 +231,6 @@ class NamespaceMemory:
             return self.segments.read_copy(ref) if size is None else self.segments.read_part(ref, start, size)
         except SegmentError as err:
             raise StoreCorruptError(f"event {event_id} of {self.namespace}: {err}") from err
-
-    def _key_summary(self, event_id: int) -> np.ndarray:  # (S,) from the stored keys
-        return self._key_summaries([event_id])[0]
 
     def _key_summaries(self, event_ids: list[int]) -> np.ndarray:  # (N, S) from the stored keys
         counts = [self._columns.n_tokens(e) for e in event_ids]
