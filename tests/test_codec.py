@@ -158,3 +158,7 @@ def test_keys_of_several_events_join_in_order(codec: str) -> None:
     joined = layer_codec.decode_joined(0, buffers, [3, 1, 5], values=False)[0]
     assert torch.equal(joined, torch.cat([layer_codec.decode_layer(0, b, n)[0] for b, n in zip(buffers, (3, 1, 5))], 1))
     assert layer_codec.decode_joined(0, [], [], values=False)[0].shape == (2, 0, 8)
+    assert layer_codec.decode_joined(0, buffers, [3, 1, 5], values=False)[1] is None
+    keys, values = layer_codec.decode_joined(0, buffers, [3, 1, 5])
+    assert torch.equal(keys, joined) and values is not None
+    assert torch.equal(values, torch.cat([layer_codec.decode_layer(0, b, n)[1] for b, n in zip(buffers, (3, 1, 5))], 1))

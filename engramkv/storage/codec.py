@@ -135,6 +135,13 @@ def decode_layer(
 
     Accepts a memoryview slice of an mmap; the only copies are the ones dequantising makes.
     """
+    keys, values = _decode(codec, buffer, n_kv_heads, n_tokens, head_dim, values=True)
+    assert values is not None
+    return keys, values
+
+
+def _decode(codec: Codec, buffer: bytes | memoryview, n_kv_heads: int, n_tokens: int, head_dim: int,
+            values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:  # `decode_layer`, the values optional
     n = layer_nbytes(codec, n_kv_heads, n_tokens, head_dim)
     buf = memoryview(buffer).cast("B")
     if buf.nbytes != n:
@@ -143,23 +150,24 @@ def decode_layer(
     h, t, d = n_kv_heads, n_tokens, head_dim
     if codec == "fp16":
         half = h * t * d * 2
-        return _read(buf, 0, "<f2", (h, t, d), "f2"), _read(buf, half, "<f2", (h, t, d), "f2")
-    k_scale = _read(buf, 0, "<f2", (h, 1, d), "f4")
-    k_zero = _read(buf, 2 * h * d, "<f2", (h, 1, d), "f4")
-    v_scale = _read(buf, 4 * h * d, "<f2", (h, t, 1), "f4")
-    v_zero = _read(buf, 4 * h * d + 2 * h * t, "<f2", (h, t, 1), "f4")
+        return _read(buf, 0, "<f2", (h, t, d), "f2"), _read(buf, half, "<f2", (h, t, d), "f2") if values else None
     at = 4 * h * d + 4 * h * t  # codes start here
     bits = _BITS[codec]
-    if bits == 8:
-        k_codes = _read(buf, at, "u1", (h, t, d), "f4")  # (H, T, D)
-        v_codes = _read(buf, at + h * t * d, "u1", (h, t, d), "f4")  # (H, T, D)
-    else:
-        width = d * bits // 8
-        k_codes = _unpack(_read(buf, at, "u1", (h, t, width), "u1"), bits).float()  # (H, T, D)
-        v_codes = _unpack(_read(buf, at + h * t * width, "u1", (h, t, width), "u1"), bits).float()  # (H, T, D)
-    keys = torch.addcmul(k_zero, k_codes, k_scale).half()  # (H, T, D)
-    values = torch.addcmul(v_zero, v_codes, v_scale).half()  # (H, T, D)
-    return keys, values
+    width = d * bits // 8
+
+    def codes(offset: int) -> torch.Tensor:  # (H, T, D) float32
+        if bits == 8:
+            return _read(buf, offset, "u1", (h, t, d), "f4")
+        return _unpack(_read(buf, offset, "u1", (h, t, width), "u1"), bits).float()
+
+    k_scale = _read(buf, 0, "<f2", (h, 1, d), "f4")
+    k_zero = _read(buf, 2 * h * d, "<f2", (h, 1, d), "f4")
+    keys = torch.addcmul(k_zero, codes(at), k_scale).half()  # (H, T, D)
+    if not values:
+        return keys, None
+    v_scale = _read(buf, 4 * h * d, "<f2", (h, t, 1), "f4")
+    v_zero = _read(buf, 4 * h * d + 2 * h * t, "<f2", (h, t, 1), "f4")
+    return keys, torch.addcmul(v_zero, codes(at + h * t * width), v_scale).half()  # (H, T, D) each
 
 
 class LayerCodec(Protocol):
@@ -202,7 +210,7 @@ class QuantCodec:
 
     def decode_joined(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int],
                       values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        pairs = [self.decode_layer(layer, b, t) for b, t in zip(buffers, n_tokens)]
+        pairs = [_decode(self.codec, b, self.kv_heads, t, self.head_dim, values) for b, t in zip(buffers, n_tokens)]
         empty = torch.empty(self.kv_heads, 0, self.head_dim, dtype=torch.float16)
         keys = torch.cat([k for k, _ in pairs] or [empty], dim=1)
-        return keys, torch.cat([v for _, v in pairs] or [empty], dim=1) if values else None
+        return keys, torch.cat([v for _, v in pairs if v is not None] or [empty], dim=1) if values else None

@@ -149,12 +149,9 @@ class LowRankCodec:
 
     def decode_layer(self, layer: int, buffer: bytes | memoryview, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values), each float16 (Hkv, T, D)."""
-        buf = self._checked(layer, buffer, n_tokens)
-        t, (k, v) = n_tokens, (layer, layer + len(self.bases.keys))
-        (ks, kc), (vs, vc) = self._sizes[k], self._sizes[v]
-        at = [0, ks * t, (ks + vs) * t, (ks + vs + kc) * t, (ks + vs + kc + vc) * t]
-        return (self._decode_part(k, buf[at[0] : at[1]], buf[at[2] : at[3]], t),
-                self._decode_part(v, buf[at[1] : at[2]], buf[at[3] : at[4]], t))
+        k_scales, v_scales, k_codes, v_codes = self._sections(layer, buffer, n_tokens)
+        k, v = layer, layer + len(self.bases.keys)
+        return (self._decode_part(k, k_scales, k_codes, n_tokens), self._decode_part(v, v_scales, v_codes, n_tokens))
 
     def decode_joined(self, layer: int, buffers: Sequence[bytes | memoryview], n_tokens: Sequence[int],
                       values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -170,24 +167,21 @@ class LowRankCodec:
             return (torch.cat([k for k, _ in pairs] or [empty], dim=1),
                     torch.cat([v for _, v in pairs] or [empty], dim=1) if values else None)
         k, v = layer, layer + len(self.bases.keys)
-        (ks, kc), (vs, vc) = self._sizes[k], self._sizes[v]
-        sections: list[list[memoryview]] = [[], [], [], []]  # key scales, value scales, key codes, value codes
-        for buffer, t in zip(buffers, n_tokens):
-            buf = self._checked(layer, buffer, t)
-            at = [0, ks * t, (ks + vs) * t, (ks + vs + kc) * t, (ks + vs + kc + vc) * t]
-            for i in range(4):
-                sections[i].append(buf[at[i] : at[i + 1]])
+        # key scales, value scales, key codes, value codes: each section of every event, joined
+        joined = [b"".join(parts) for parts in zip(*(self._sections(layer, b, t) for b, t in zip(buffers, n_tokens)))]
         total = sum(n_tokens)
-        joined = [b"".join(parts) for parts in sections]
         keys = self._decode_part(k, joined[0], joined[2], total)
         return keys, self._decode_part(v, joined[1], joined[3], total) if values else None
 
-    def _checked(self, layer: int, buffer: bytes | memoryview, n_tokens: int) -> memoryview:
+    def _sections(self, layer: int, buffer: bytes | memoryview, t: int) -> list[memoryview]:
+        """One layer's bytes of T tokens -> its key scales, value scales, key codes and value codes."""
         buf = memoryview(buffer).cast("B")
-        n = self.layer_nbytes(layer, n_tokens)
+        n = self.layer_nbytes(layer, t)
         if buf.nbytes != n:
-            raise ValueError(f"lowrank layer {layer} of {n_tokens} tokens needs {n} bytes, got {buf.nbytes}")
-        return buf
+            raise ValueError(f"lowrank layer {layer} of {t} tokens needs {n} bytes, got {buf.nbytes}")
+        (ks, kc), (vs, vc) = self._sizes[layer], self._sizes[layer + len(self.bases.keys)]
+        at = [0, ks * t, (ks + vs) * t, (ks + vs + kc) * t, (ks + vs + kc + vc) * t]
+        return [buf[at[i] : at[i + 1]] for i in range(4)]
 
     def _decode_part(self, i: int, scale_bytes: bytes | memoryview, code_bytes: bytes | memoryview,
                      t: int) -> torch.Tensor:  # part i (a layer's keys or values) of T tokens -> float16 (Hkv, T, D)
