@@ -8,10 +8,14 @@ counted under one of: segments (event KV, token ids and representatives), index 
 key-summary indexes: what a reader holds in RAM), checkpoint (the resident window), catalog, bases
 (a lowrank store's copy of its bases) and other. fp16 KV, the reference, is layers x 2 x KV heads x
 head dim x 2 bytes per token (23,040 on the embedded model). Recall latency: `Session.recall` of
---recalls queries (pieces of the same text) on the store opened read-only, p50; the codecs take turns
-(int8 first), so drift on a shared machine falls on all of them.
+--recalls queries (pieces of the same text) on the store opened read-only, p50.
 
-    python benchmarks/store_size.py [--tokens 32768] [--codecs int8 lowrank] [--index-rank 24]
+Speed is a ratio per round: every round builds one store per codec, in turns whose order reverses each
+round (int8 first, then last, ...), so drift on a shared machine falls on all codecs alike; the table gives
+the median of the rounds' ratios and their range (a single pass moved by +-5% between runs). Sizes are the
+first round's (the same ids give the same files).
+
+    python benchmarks/store_size.py [--tokens 32768] [--codecs int8 lowrank] [--rounds 3] [--index-rank 24]
         [--project-min-events 256] [--name store_size]
 
 Writes benchmarks/results/store_size/NAME.json and .md.
@@ -64,6 +68,7 @@ def main() -> None:
                         choices=["fp16", "int8", "int4", "int2", "lowrank"], help="codecs measured (int8 is added)")
     parser.add_argument("--bases", default=None, help="lowrank bases file (default: the ones shipped for the model)")
     parser.add_argument("--recalls", type=int, default=20, help="recall queries timed per store")
+    parser.add_argument("--rounds", type=int, default=3, help="stores built per codec, in alternating turns")
     parser.add_argument("--index-rank", type=int, default=None,
                         help="store.index.rank of every store (low-rank index entries; default: off)")
     parser.add_argument("--project-min-events", type=int, default=None,
@@ -83,53 +88,77 @@ def main() -> None:
     queries = [lm.tokenizer.decode(ids[at : at + 24]) for at in
                random.Random(1).sample(range(0, len(ids) - 24), args.recalls)]
     fp16 = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
-    rows: dict[str, dict[str, Any]] = {}
-    configs: dict[str, Any] = {}
-    for codec in codecs:
+
+    def config(codec: str) -> EngineConfig:
         lowrank = {"bases": args.bases} if codec == "lowrank" and args.bases else {}
-        index = {"rank": args.index_rank}
+        index: dict[str, Any] = {"rank": args.index_rank}
         if args.project_min_events is not None:
             index["project_min_events"] = args.project_min_events
-        cfg = EngineConfig.model_validate({"store": {"codec": codec, "lowrank": lowrank, "index": index}})
-        configs[codec] = cfg.model_dump()
+        return EngineConfig.model_validate({"store": {"codec": codec, "lowrank": lowrank, "index": index}})
+
+    def build(codec: str, measure_size: bool) -> dict[str, Any]:
+        """One fresh store of `codec`: ingest and recall times, and (if `measure_size`) its files."""
+        cfg = config(codec)
         directory = Path(tempfile.mkdtemp(prefix=f"engramkv-size-{codec}-"))
         try:
             session = lm.session(cfg, store=directory)
             started = time.perf_counter()
             session.ingest_ids(ids)
             session.commit()
-            ingest_s = time.perf_counter() - started
-            events = session.events
+            out: dict[str, Any] = {"ingest_s": time.perf_counter() - started, "events": session.events}
             session.close()
             lm.close()
-            sizes = bytes_by_kind(directory)
+            if measure_size:
+                out["sizes"] = bytes_by_kind(directory)
             reader = lm.session(cfg, store=directory, read_only=True)
-            layout = reader.memory.layout  # what the segments hold besides KV: token ids and representatives
-            representative_bytes = events * layout.num_layers * layout.representative_bytes
+            # what the segments hold besides KV: token ids and representatives
+            out["representative_bytes"] = out["events"] * reader.memory.layout.num_layers * \
+                reader.memory.layout.representative_bytes
             reader.recall(queries[0])  # the first pays for opening the indexes
             times = []
             for query in queries:
                 started = time.perf_counter()
                 reader.recall(query)
                 times.append(time.perf_counter() - started)
+            out["recall_p50_s"] = statistics.median(times)
             reader.close()
             lm.close()
+            return out
         finally:
             shutil.rmtree(directory, ignore_errors=True)
+
+    runs: dict[str, list[dict[str, Any]]] = {codec: [] for codec in codecs}
+    for round_ in range(args.rounds):
+        for codec in (codecs if round_ % 2 == 0 else codecs[::-1]):
+            runs[codec].append(build(codec, measure_size=round_ == 0))
+            print(f"round {round_ + 1}/{args.rounds} {codec}: ingest {runs[codec][-1]['ingest_s']:.1f} s, "
+                  f"recall p50 {runs[codec][-1]['recall_p50_s'] * 1e3:.0f} ms", flush=True)
+    rows: dict[str, dict[str, Any]] = {}
+    configs = {codec: config(codec).model_dump() for codec in codecs}
+    for codec in codecs:
+        first = runs[codec][0]
+        sizes, events = first["sizes"], first["events"]
         total = sum(sizes.values())
-        parts = {"token_ids": 4 * len(ids), "representatives": representative_bytes}
+        parts = {"token_ids": 4 * len(ids), "representatives": first["representative_bytes"]}
         parts["kv_and_record_overhead"] = sizes["segments"] - sum(parts.values())
-        rows[codec] = {"events": events, "segment_parts_per_token": {k: v / len(ids) for k, v in parts.items()}, "ingest_s": ingest_s, "recall_p50_s": statistics.median(times),
+        # per round: int8's time over this codec's (speed) and this codec's recall over int8's
+        ingest_ratios = [a["ingest_s"] / b["ingest_s"] for a, b in zip(runs["int8"], runs[codec])]
+        recall_ratios = [b["recall_p50_s"] / a["recall_p50_s"] for a, b in zip(runs["int8"], runs[codec])]
+        rows[codec] = {"events": events, "segment_parts_per_token": {k: v / len(ids) for k, v in parts.items()},
+                       "ingest_s": [r["ingest_s"] for r in runs[codec]],
+                       "recall_p50_s": [r["recall_p50_s"] for r in runs[codec]],
+                       "ingest_speed_vs_int8": ingest_ratios, "recall_p50_vs_int8": recall_ratios,
                        "bytes": sizes, "bytes_per_token": {k: v / len(ids) for k, v in sizes.items()},
                        "total_bytes_per_token": total / len(ids), "of_fp16_kv": total / len(ids) / fp16,
                        "index_bytes_per_event": sizes["index"] / max(events, 1)}
-        print(codec, {k: round(v, 3) if isinstance(v, float) else v for k, v in rows[codec].items()
-                      if k not in ("bytes", "bytes_per_token")}, flush=True)
 
-    base = rows["int8"]
+    def spread(ratios: list[float]) -> str:
+        return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]"
+
     lines = [f"# Stores on disk per codec ({spec.model_id}, {len(ids):,} tokens)", "",
              f"fp16 KV is {fp16:,} B per token. Bytes per token by file kind after the commit; ingest speed and "
-             "recall p50 as ratios to the int8 store's, same run.", "",
+             f"recall p50 as ratios to the int8 store's, same round: the median of {args.rounds} rounds "
+             "[lowest, highest].", "",
              "Segments hold each event's KV, token ids (4 B/token) and representatives (one per layer); `reps` "
              "is the last per token.", "",
              "| codec | events | " + " | ".join(KINDS) + " | reps | total B/token | of fp16 KV | index B/event | "
@@ -139,8 +168,8 @@ def main() -> None:
         per = row["bytes_per_token"]
         lines.append(f"| {codec} | {row['events']:,} | " + " | ".join(f"{per[k]:,.0f}" for k in KINDS) +
                      f" | {row['segment_parts_per_token']['representatives']:,.0f} | {row['total_bytes_per_token']:,.0f} | {row['of_fp16_kv']:.3f} | "
-                     f"{row['index_bytes_per_event']:,.0f} | {base['ingest_s'] / row['ingest_s']:.2f} | "
-                     f"{row['recall_p50_s'] / base['recall_p50_s']:.2f} |")
+                     f"{row['index_bytes_per_event']:,.0f} | {spread(row['ingest_speed_vs_int8'])} | "
+                     f"{spread(row['recall_p50_vs_int8'])} |")
     table = "\n".join(lines)
     write_results(RESULTS / "store_size", args.name, {"args": vars(args), "tokens": len(ids), "fp16_kv_bytes": fp16,
                                                       "codecs": rows}, table, configs)
