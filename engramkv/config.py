@@ -337,6 +337,11 @@ class StoreConfig(_Strict):
     )
     lowrank: LowRankConfig = LowRankConfig()
     hot_bytes: int = Field(default=256 * 2**20, ge=0, description="Decoded KV kept on the device (LRU by bytes).")
+    hot_write_through: bool = Field(
+        default=True, description="Put each new event's exact KV in the hot tier as it is stored, until the next "
+        "commit empties the tier (so an ingest resumed from a commit reads as one that went on): recalls of events "
+        "since the last commit skip the codec's error and its decode (a lossy codec's error compounds through "
+        "reading: benchmarks/README.md). Off: every read comes back through the codec.")
     warm_bytes: int = Field(default=512 * 2**20, ge=0, description="Encoded blobs kept in host RAM (LRU by bytes).")
     prefetch: Literal["auto", "on", "off"] = Field(
         default="auto",

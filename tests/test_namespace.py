@@ -10,7 +10,7 @@ from engramkv.errors import ReadOnlyError, StoreError
 from engramkv.memory.events import DocumentProgress, Event, EventMemory, TierBytes
 from engramkv.storage.segments import BlobRef
 
-from tiny_store import SPEC, add_events, open_namespace, open_store, snapshot
+from tiny_store import SPEC, SUMMARY_LAYERS, add_events, open_namespace, open_store, snapshot
 
 
 def test_it_reports_what_the_protocol_asks(tmp_path, catalog_url):
@@ -52,7 +52,7 @@ def test_a_commit_keeps_events_document_and_checkpoint(tmp_path, catalog_url):
 
 
 def test_drop_caches_sends_reads_to_the_cold_tier(tmp_path):
-    with open_store(tmp_path) as store:
+    with open_store(tmp_path, hot_write_through=False) as store:  # hot: what was decoded, as the cold tier gives it
         memory = open_namespace(store)
         add_events(memory, 3)
         keys, values = memory.gather(1, [2, 0])  # (Hkv, M, D) each
@@ -65,6 +65,27 @@ def test_drop_caches_sends_reads_to_the_cold_tier(tmp_path):
         assert torch.equal(again[0], keys) and torch.equal(again[1], values)
         assert keys.shape == (SPEC.num_kv_heads, 10, SPEC.head_dim)
         assert np.array_equal(memory.representatives(1), reps) and reps.shape == (SPEC.num_layers, 16)
+        memory.close()
+
+
+@pytest.mark.parametrize("write_through", [True, False])
+def test_a_new_events_exact_kv_is_read_while_hot_when_written_through(tmp_path, write_through):
+    with open_store(tmp_path, codec="int8", hot_write_through=write_through) as store:
+        memory = open_namespace(store)
+        g = torch.Generator().manual_seed(3)
+        keys, values = (torch.randn(SPEC.num_layers, SPEC.num_kv_heads, 6, SPEC.head_dim, generator=g) for _ in "kv")
+        memory.add(Event(0, 0, 6, surprise_mean=1.0, surprise_max=2.0), keys, values,
+                   torch.randn(SPEC.num_layers, SPEC.num_kv_heads * SPEC.head_dim, generator=g),
+                   torch.randn(len(SUMMARY_LAYERS) * SPEC.num_kv_heads * SPEC.head_dim, generator=g), torch.arange(6))
+        exact = keys[1].to(memory.dtype, copy=True), values[1].to(memory.dtype, copy=True)
+        first = memory.gather(1, [0])
+        keys[:], values[:] = 0.0, 0.0  # the caller's buffers move on: the hot tier holds copies
+        assert all(torch.equal(a, b) for a, b in zip(memory.gather(1, [0]), first))
+        memory.drop_caches()
+        decoded = memory.gather(1, [0])  # through the int8 codec
+        assert not torch.equal(decoded[0], exact[0]) and not torch.equal(decoded[1], exact[1])
+        expected = exact if write_through else decoded
+        assert torch.equal(first[0], expected[0]) and torch.equal(first[1], expected[1])
         memory.close()
 
 

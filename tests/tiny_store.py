@@ -18,7 +18,8 @@ SUMMARY_LAYERS = [1]
 
 
 def open_store(path: Path, catalog_url: str | None = None, read_only: bool = False, **cfg: object) -> EventStore:
-    return EventStore(path, SPEC, StoreConfig(codec="fp16", catalog_url=catalog_url, **cfg), read_only=read_only)
+    return EventStore(path, SPEC, StoreConfig.model_validate({"codec": "fp16", "catalog_url": catalog_url, **cfg}),
+                      read_only=read_only)
 
 
 def open_namespace(store: EventStore, user_id: str = "default") -> NamespaceMemory:

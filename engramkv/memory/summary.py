@@ -28,11 +28,14 @@ def key_summary(keys: torch.Tensor) -> torch.Tensor:  # keys (S, Hkv, T, D) -> (
 
 
 def key_summaries(keys: torch.Tensor, counts: list[int]) -> torch.Tensor:  # (S, Hkv, sum T, D) -> (N, S * Hkv * D)
-    """`key_summary` of N events at once, their tokens joined along dim 2 (`counts` tokens each, in order)."""
-    owner = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))  # (sum T,)
-    unit = F.normalize(keys.float(), dim=-1).permute(2, 0, 1, 3)  # (sum T, S, Hkv, D)
-    sums = torch.zeros(len(counts), *unit.shape[1:]).index_add_(0, owner, unit)  # (N, S, Hkv, D)
-    return (sums / torch.tensor(counts, dtype=torch.float32)[:, None, None, None]).flatten(1)
+    """`key_summary` of N events at once, their tokens joined along dim 2 (`counts` tokens each, in order).
+
+    Each event's mean is taken alone, as `key_summary` takes it, so a summary rebuilt from a lossless store is
+    bit for bit the one written (a batched sum rounds differently, and ranks ties differently)."""
+    unit = F.normalize(keys.float(), dim=-1)  # (S, Hkv, sum T, D)
+    if not counts:
+        return unit.new_zeros(0, unit.shape[0] * unit.shape[1] * unit.shape[3])
+    return torch.stack([part.contiguous().mean(dim=2).flatten() for part in unit.split(list(counts), dim=2)])
 
 
 def representative(

@@ -86,6 +86,7 @@ class NamespaceMemory:
         self.hot: LRUBytes[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = LRUBytes(
             cfg.hot_bytes, lambda kv: kv[0].nbytes + kv[1].nbytes)
         self.warm: LRUBytes[int, bytes] = LRUBytes(cfg.warm_bytes, len)
+        self.write_through = cfg.hot_write_through
         self.indexes = LayerIndexes.load(self.dir / "index", spec.num_layers, self.layout.dim, cfg.index,
                                          summary_layers, self.committed_events, self.representatives,
                                          self._key_summaries, self.layer_representatives)
@@ -134,6 +135,10 @@ class NamespaceMemory:
         self._columns.append(event, ref)
         self.indexes.add(event.id, reps, summary)
         self.warm.put(event.id, blob)  # what was just sealed is what recall is likeliest to want next
+        if self.write_through:
+            for layer in range(len(keys)):  # exact, and copies: the caller's window buffers move on
+                self.hot.put((event.id, layer), (keys[layer].to(self.device, self.dtype, copy=True),
+                                                 values[layer].to(self.device, self.dtype, copy=True)))
 
     def tokens(self, event_id: int) -> list[int]:
         return self.layout.tokens(self._blob(event_id), self._columns.n_tokens(event_id))
@@ -269,6 +274,11 @@ class NamespaceMemory:
         self.committed_events, self.committed_tokens = len(self), n_tokens
         if old and old != name:
             (self.dir / old).unlink(missing_ok=True)
+        if self.write_through:
+            # A run resumed from this commit starts with an empty hot tier. One that goes on must read as that
+            # one will, or it would cut other events: exact and decoded KV differ.
+            self._await_prefetch()
+            self.hot.clear()
         if len(self) - self._index_saved_at >= self.cfg.index_save_events:
             self.save_index()
         if self.cfg.release_free_memory:
