@@ -336,17 +336,13 @@ class StoreConfig(_Strict):
         "values projected onto fitted per-layer bases, the latent quantised (`store.lowrank`).",
     )
     lowrank: LowRankConfig = LowRankConfig()
-    hot_bytes: int = Field(default=256 * 2**20, ge=0, description="Decoded KV kept on the device (LRU by bytes).")
-    hot_write_through: bool = Field(
-        default=True, description="Put each new event's exact KV in the hot tier as it is stored, until the next "
-        "commit empties the tier (so an ingest resumed from a commit reads as one that went on): recalls of events "
-        "since the last commit skip the codec's error and its decode (a lossy codec's error compounds through "
-        "reading: benchmarks/README.md). Off: every read comes back through the codec.")
+    hot_bytes: int = Field(default=256 * 2**20, ge=0, description="Decoded KV kept on the device (LRU by bytes); "
+                           "with hot_write_through, also new events' exact KV.")
+    hot_write_through: bool = Field(default=True, description="New events' exact KV goes into the hot tier until the "
+                                    "next commit (`storage.tiers.HotTier`); off: every read comes through the codec.")
     warm_bytes: int = Field(default=512 * 2**20, ge=0, description="Encoded blobs kept in host RAM (LRU by bytes).")
-    prefetch: Literal["auto", "on", "off"] = Field(
-        default="auto",
-        description="Decode the next layer's recalled blocks in the background; 'auto' turns it on for CUDA devices.",
-    )
+    prefetch: Literal["auto", "on", "off"] = Field(default="auto", description="Decode the next layer's recalled "
+                                                   "blocks in the background; 'auto' turns it on for CUDA devices.")
     read_ahead: bool = Field(
         default=True,
         description="Ask the kernel for all of a layer's cold blobs at once before reading them (one disk wait, "
@@ -360,8 +356,7 @@ class StoreConfig(_Strict):
         description="After each commit, hand the C heap's free pages back to the OS (glibc malloc_trim; nothing "
         "elsewhere): memory FAISS and torch freed otherwise stays in the process's resident set.",
     )
-    index_save_events: int = Field(default=2_000, ge=1, description="New events between two index saves (a "
-                                   "lagging index is caught up on open).")
+    index_save_events: int = Field(default=2_000, ge=1, description="Events between index saves (caught up on open).")
     catalog_url: str | None = Field(
         default=None, description="SQLAlchemy URL of the catalog; None means catalog.sqlite inside the store directory."
     )

@@ -105,6 +105,7 @@ class Reader:
         except BaseException as err:  # interrupted half-way: what the memory holds of this commit is unknown
             self.broken = f"a commit was interrupted ({type(err).__name__})"
             raise
+        self.state.forget_recalled()  # read on as a stream restored from this commit would
         self._uncommitted = 0
 
     def _snapshot(self) -> dict[str, Any]:

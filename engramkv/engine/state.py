@@ -319,6 +319,13 @@ class EpisodicState:
             st.local_attention = saved["local_attention"]
             st.buffer.clear()
             st.buffer.extend(saved["buffer"])
+        self.forget_recalled()
+
+    def forget_recalled(self) -> None:
+        """Drop each layer's last recalled KV, so the next step gathers it again: what a stream restored from
+        a checkpoint starts with, and what a commit must leave behind too (the store's hot tier may have
+        handed out exact KV that a restored stream would get decoded)."""
+        for st in self.layers:
             st.recalled_ids, st.recalled_tokens, st.recalled_kv = [], None, None
 
 

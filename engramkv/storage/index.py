@@ -355,7 +355,7 @@ def _read(path: Path, checksums: dict[str, Any]) -> faiss.Index:
 
 
 
-def _batches(start: int, end: int, size: int = 1024) -> Iterator[list[int]]:
+def _batches(start: int, end: int, size: int = 256) -> Iterator[list[int]]:
     """Event ids start..end-1 in lists of `size`: summaries are decoded many events at a time."""
     for first in range(start, end, size):
         yield list(range(first, min(first + size, end)))

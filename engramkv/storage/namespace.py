@@ -5,8 +5,9 @@
       index/layer-NNN.faiss, summary.faiss, manifest.json
       checkpoint-NNNNNNNN-TTTTTTTTTTTT.pt   the resident engine state at the last commit
 
-A read goes hot (decoded KV of (event, layer) on the compute device), then warm (whole blobs in
-host RAM), then cold (`segments.py`, checksummed on the way in); see `tiers.py`.
+A read goes hot (decoded KV of (event, layer) on the compute device, or a new event's exact KV until
+the next commit), then warm (whole blobs in host RAM), then cold (`segments.py`, checksummed on the way
+in); see `tiers.py`.
 
 Write order, for crash safety: blobs are appended as events are added; a commit fsyncs the
 segments, writes the checkpoint (tmp, fsync, rename), then one catalog transaction inserts the new
@@ -38,7 +39,7 @@ from engramkv.storage.durable import replace_durably
 from engramkv.storage.heap import release_free_heap
 from engramkv.storage.index import LayerIndexes
 from engramkv.storage.segments import BlobRef, SegmentError, SegmentLog
-from engramkv.storage.tiers import LRUBytes
+from engramkv.storage.tiers import HotTier, LRUBytes
 
 if TYPE_CHECKING:
     from engramkv.storage.store import EventStore
@@ -83,10 +84,8 @@ class NamespaceMemory:
                 self._recover()
         except SegmentError as err:
             raise StoreCorruptError(f"namespace {self.namespace}: {err}") from err
-        self.hot: LRUBytes[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = LRUBytes(
-            cfg.hot_bytes, lambda kv: kv[0].nbytes + kv[1].nbytes)
+        self.hot = HotTier(cfg.hot_bytes, device, dtype, cfg.hot_write_through)
         self.warm: LRUBytes[int, bytes] = LRUBytes(cfg.warm_bytes, len)
-        self.write_through = cfg.hot_write_through
         self.indexes = LayerIndexes.load(self.dir / "index", spec.num_layers, self.layout.dim, cfg.index,
                                          summary_layers, self.committed_events, self.representatives,
                                          self._key_summaries, self.layer_representatives)
@@ -115,15 +114,18 @@ class NamespaceMemory:
 
     def add(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
             key_summary: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """`EventMemory.add`. The indexes get the representatives and key summary the stored blob gives back (a
+        lowrank blob's are int8 and lossy), as a reopened or resumed store will; `key_summary` is the RAM memory's."""
         self._check_usable()
         if event.id != len(self):
             raise StoreError(f"event ids must be consecutive: expected {len(self)}, got {event.id}")
         reps = representatives.detach().float().cpu().numpy()  # (layers, F)
-        summary = key_summary.detach().float().cpu().numpy()  # (S,)
         try:
             blob = self.layout.encode(token_ids, reps, keys, values)
         except ValueError as err:
             raise StoreError(f"event {event.id} of {self.namespace} cannot be stored: {err}") from err
+        reps = self.layout.representatives(blob, len(token_ids))  # (layers, F)
+        summary = self.layout.key_summaries([blob], [len(token_ids)], self.summary_layers)[0]  # (S,)
         if self.writable:
             try:
                 ref = self.segments.append(blob)
@@ -135,10 +137,8 @@ class NamespaceMemory:
         self._columns.append(event, ref)
         self.indexes.add(event.id, reps, summary)
         self.warm.put(event.id, blob)  # what was just sealed is what recall is likeliest to want next
-        if self.write_through:
-            for layer in range(len(keys)):  # exact, and copies: the caller's window buffers move on
-                self.hot.put((event.id, layer), (keys[layer].to(self.device, self.dtype, copy=True),
-                                                 values[layer].to(self.device, self.dtype, copy=True)))
+        self._await_prefetch()  # else the prefetch thread's puts would order the hot tier by timing
+        self.hot.stored(event.id, keys, values)
 
     def tokens(self, event_id: int) -> list[int]:
         return self.layout.tokens(self._blob(event_id), self._columns.n_tokens(event_id))
@@ -274,11 +274,8 @@ class NamespaceMemory:
         self.committed_events, self.committed_tokens = len(self), n_tokens
         if old and old != name:
             (self.dir / old).unlink(missing_ok=True)
-        if self.write_through:
-            # A run resumed from this commit starts with an empty hot tier. One that goes on must read as that
-            # one will, or it would cut other events: exact and decoded KV differ.
-            self._await_prefetch()
-            self.hot.clear()
+        self._await_prefetch()
+        self.hot.committed()
         if len(self) - self._index_saved_at >= self.cfg.index_save_events:
             self.save_index()
         if self.cfg.release_free_memory:
@@ -345,8 +342,7 @@ class NamespaceMemory:
         if self.writable and self.broken is None and self.committed_events == len(self):
             self.save_index()
         self.segments.close()
-        self.hot.clear()
-        self.warm.clear()
+        self.drop_caches()
         self._closed = True
         self.store._release(self.ns_id)
 

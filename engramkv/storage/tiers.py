@@ -1,7 +1,8 @@
 """The two in-memory tiers above the disk: byte-bounded LRU caches.
 
     hot    decoded KV of (event, layer) on the compute device, in the model's dtype: what
-           attention concatenates. Filled on demand and, when prefetch is on, for the next layer.
+           attention concatenates. Filled on demand and, when prefetch is on, for the next layer; with
+           write-through, also each new event's exact KV as it is stored, until the next commit (`HotTier`).
     warm   encoded event blobs (all layers) in host RAM: one disk read serves every layer.
     cold   the segment files (`segments.py`), memory-mapped.
 
@@ -14,6 +15,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+import torch
 
 Key = TypeVar("Key")
 Value = TypeVar("Value")
@@ -61,3 +64,27 @@ class LRUBytes(Generic[Key, Value]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class HotTier(LRUBytes[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]):
+    """The hot tier: (keys, values) (Hkv, T, D) of (event, layer) on `device` in `dtype`, LRU by bytes.
+
+    With `write_through`, a new event's exact KV goes in as it is stored (`stored`): while a session reads on,
+    recalls of it skip the codec's error and its decode. A commit empties the tier (`committed`): a run
+    resumed from that commit starts with an empty one, and one that goes on must read as it will, or the two
+    would cut different events (exact and decoded KV differ).
+    """
+
+    def __init__(self, capacity_bytes: int, device: torch.device, dtype: torch.dtype, write_through: bool):
+        super().__init__(capacity_bytes, lambda kv: kv[0].nbytes + kv[1].nbytes)
+        self.device, self.dtype, self.write_through = device, dtype, write_through
+
+    def stored(self, event_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # (L, Hkv, T, D) each
+        if self.write_through:
+            for layer in range(len(keys)):  # copies: the caller's window buffers move on
+                self.put((event_id, layer), (keys[layer].to(self.device, self.dtype, copy=True),
+                                             values[layer].to(self.device, self.dtype, copy=True)))
+
+    def committed(self) -> None:
+        if self.write_through:
+            self.clear()
