@@ -114,8 +114,8 @@ class NamespaceMemory:
 
     def add(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
             key_summary: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """`EventMemory.add`. The indexes get the representatives and key summary the stored blob gives back (a
-        lowrank blob's are int8 and lossy), as a reopened or resumed store will; `key_summary` is the RAM memory's."""
+        """`EventMemory.add`. The layer indexes get the representatives the blob gives back (a lowrank blob's are
+        int8), as a resumed store does: reading ranks with them. Summaries caught up on open come from decoded keys."""
         self._check_usable()
         if event.id != len(self):
             raise StoreError(f"event ids must be consecutive: expected {len(self)}, got {event.id}")
@@ -125,7 +125,7 @@ class NamespaceMemory:
         except ValueError as err:
             raise StoreError(f"event {event.id} of {self.namespace} cannot be stored: {err}") from err
         reps = self.layout.representatives(blob, len(token_ids))  # (layers, F)
-        summary = self.layout.key_summaries([blob], [len(token_ids)], self.summary_layers)[0]  # (S,)
+        summary = key_summary.detach().float().cpu().numpy()  # (S,)
         if self.writable:
             try:
                 ref = self.segments.append(blob)
