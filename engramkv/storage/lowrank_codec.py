@@ -87,6 +87,7 @@ class LowRankCodec:
         self._sigma = torch.stack([padded(p.sigma, 1.0) for p in parts]).view(n * groups, 1, rank)  # (2L G, 1, R)
         bits = torch.stack([padded(p.bits, 0) for p in parts]).view(n * groups, rank)  # (2L G, R)
         self._coded_mask = (bits > 0).float()[:, None]  # (2L G, 1, R)
+        self._coded_count = self._coded_mask.sum(-1).clamp(min=1)  # (2L G, 1)
         # Quantising touches only the coded directions (7,440 of 11,340 on the embedded model): (Nc,) each
         self._coded = torch.nonzero(bits.flatten()).squeeze(1)  # positions in (2L G R)
         self._coded_group = self._coded // rank  # its (part, group)
@@ -139,7 +140,7 @@ class LowRankCodec:
         u = torch.bmm(grouped - self._mean, self._basis) / self._sigma  # (2L G, T, R): whitened latent
         # `lowrank.quantise_latent`, on the coded directions alone: a scale per token and group, the RMS of its
         # coded directions; each direction's code against the stored scale
-        rms = ((u * u * self._coded_mask).sum(-1) / self._coded_mask.sum(-1).clamp(min=1)).sqrt()  # (2L G, T)
+        rms = ((u * u * self._coded_mask).sum(-1) / self._coded_count).sqrt()  # (2L G, T)
         scale = scale_bytes(rms) if self._byte_scales else rms.clamp(max=F16_MAX).half()
         stored = scale_values(scale)
         stored = torch.where(stored == 0, torch.ones_like(stored), stored)
@@ -187,11 +188,13 @@ class LowRankCodec:
             return (torch.cat([k for k, _ in pairs] or [empty], dim=1),
                     torch.cat([v for _, v in pairs] or [empty], dim=1) if values else None)
         k, v = layer, layer + len(self.bases.keys)
-        # key scales, value scales, key codes, value codes: each section of every event, joined
-        joined = [b"".join(parts) for parts in zip(*(self._sections(layer, b, t) for b, t in zip(buffers, n_tokens)))]
+        # key scales, value scales, key codes, value codes: each section of every event (values' only if asked)
+        sections = list(zip(*(self._sections(layer, b, t) for b, t in zip(buffers, n_tokens))))
         total = sum(n_tokens)
-        keys = self._decode_part(k, joined[0], joined[2], total)
-        return keys, self._decode_part(v, joined[1], joined[3], total) if values else None
+        keys = self._decode_part(k, b"".join(sections[0]), b"".join(sections[2]), total)
+        if not values:
+            return keys, None
+        return keys, self._decode_part(v, b"".join(sections[1]), b"".join(sections[3]), total)
 
     def _sections(self, layer: int, buffer: bytes | memoryview, t: int) -> list[memoryview]:
         """One layer's bytes of T tokens -> its key scales, value scales, key codes and value codes."""
