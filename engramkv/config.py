@@ -29,14 +29,13 @@ class ModelConfig(_Strict):
     gguf_file: str | None = Field(default=None, description="GGUF file name inside name_or_path, if any.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
+    kernels: Literal["auto", "triton", "torch"] = Field(default="auto", description="'auto': the Triton kernels "
+                                                        "(`engramkv.kernels`) on CUDA, their PyTorch twins elsewhere.")
     allow_download: bool = Field(
         default=False, description="Allow transformers to fetch from the hub; off so nothing downloads by default."
     )
-    load_progress: bool = Field(
-        default=False,
-        description="Show transformers' progress bars while the weights load (GGUF de-quantisation, weight "
-        "loading); off because the embedded model loads in seconds and every command would draw two bars.",
-    )
+    load_progress: bool = Field(default=False, description="Show transformers' progress bars while the weights "
+                                "load; off: the embedded model loads in seconds and every command would draw two.")
 
 
 class WindowConfig(_Strict):

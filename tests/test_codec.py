@@ -133,7 +133,8 @@ def test_int4_and_int2_codes_take_a_half_and_a_quarter_of_int8() -> None:
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_packing_is_lossless_for_every_code(bits: int) -> None:
-    from engramkv.storage.codec import _pack, _unpack
+    from engramkv.kernels.gather import unpack_codes as _unpack
+    from engramkv.storage.codec import _pack
 
     per_byte = 8 // bits
     codes = torch.arange(2**bits, dtype=torch.uint8).repeat(per_byte * 3)[None, : per_byte * 2**bits]  # (1, D)

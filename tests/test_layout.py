@@ -9,20 +9,22 @@ PACKAGE = Path(__file__).resolve().parent.parent / "engramkv"
 
 # Each layer and the layers it may import (directly). The floors of DESIGN.md:
 # cli/tui -> public API -> lm -> session -> {chat, engine, retrieval, storage} -> memory -> {config, errors, spec};
-# hf is for lm and engine, and for the fits that measure the model itself (calibration, lowrank_fit).
+# kernels (each with its PyTorch twin) sit under hf, engine and storage; hf is for lm and engine, and for the fits
+# that measure the model itself (calibration, lowrank_fit).
 ALLOWED = {
     "errors": set(),
     "spec": set(),
     "tasks": set(),
     "config": {"errors"},
+    "kernels": {"errors"},
     "memory": {"config", "errors", "spec"},
     "retrieval": {"memory", "config", "errors", "spec"},
-    "storage": {"memory", "config", "errors", "spec"},
+    "storage": {"memory", "kernels", "config", "errors", "spec"},
     "documents": {"errors", "memory", "results"},
     "results": {"memory"},
     "chat": {"config", "errors"},
-    "hf": {"config", "errors", "spec"},
-    "engine": {"memory", "retrieval", "hf", "config", "errors", "spec"},
+    "hf": {"kernels", "config", "errors", "spec"},
+    "engine": {"memory", "retrieval", "hf", "kernels", "config", "errors", "spec"},
     "reading": {"engine", "retrieval", "memory", "documents", "results", "config", "errors"},
     "answering": {"chat", "reading", "engine", "retrieval", "memory", "config", "errors"},
     "session": {"answering", "chat", "reading", "engine", "retrieval", "memory", "documents", "results", "config", "errors", "spec"},

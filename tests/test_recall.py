@@ -3,7 +3,8 @@ import torch
 from engramkv.config import RecallConfig
 from engramkv.memory.events import Event, InMemoryEventMemory
 from engramkv.retrieval.recall import select_events
-from engramkv.engine.window import assemble, lower_right_causal_mask, resident_columns, window_positions
+from engramkv.engine.window import assemble, resident_columns, window_positions
+from engramkv.kernels.window_attention import causal_mask, lower_right_causal_mask
 
 
 def _memory(lengths, hot=None):
@@ -72,3 +73,6 @@ def test_assemble_puts_memory_after_the_local_text_before_the_prompt():
 def test_lower_right_mask():
     mask = lower_right_causal_mask(2, 4)
     assert mask.tolist() == [[True, True, True, False], [True, True, True, True]]
+    # the cached one is the right end of a wider mask: the same values
+    assert torch.equal(causal_mask(2, 4, torch.device("cpu")), mask)
+    assert torch.equal(causal_mask(3, 5000, torch.device("cpu")), lower_right_causal_mask(3, 5000))

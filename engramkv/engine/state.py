@@ -25,19 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from engramkv import hf
 from engramkv.config import EngineConfig
 from engramkv.engine.sealing import LayerState, Stream
-from engramkv.engine.window import (
-    assemble,
-    lower_right_causal_mask,
-    received_attention,
-    window_positions,
-)
+from engramkv.engine.window import assemble, resident_columns, window_positions
 from engramkv.errors import StoreCorruptError
+from engramkv.kernels.window_attention import window_attention
 from engramkv.memory.events import EventMemory
 from engramkv.memory.surprise import token_surprise
 from engramkv.retrieval.question import RecallPlan
@@ -88,7 +83,6 @@ class EpisodicState:
         self.stream = Stream(cfg, summary_layers)
         self.last_logits: torch.Tensor | None = None  # (V,) predicts the next token
         self.decode_steps = 0  # decode steps since the last prompt: recall refreshes every decode_interval
-        self._masks: dict[int, torch.Tensor] = {}  # wide causal masks by query count
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (P, D)
 
     @property
@@ -128,23 +122,19 @@ class EpisodicState:
         n_sink, n_mem, n_local = st.sink_k.shape[1], mem_k.shape[1], local_k.shape[1]
         keys = assemble(st.sink_k, local_k, mem_k, k, split)  # (Hkv, N, D)
         values = assemble(st.sink_v, local_v, mem_v, v, split)  # (Hkv, N, D)
-        n_keys = keys.shape[1]
 
         positions = window_positions(n_sink, n_mem, n_local, n_new, self.cfg.recall.positions)  # (N,)
         cos, sin = self._cos_sin(positions, q)  # (N, D) each
-        q_rot = self.rope.apply(q, cos[-n_new:], sin[-n_new:])  # (H, C, D)
-        k_rot = self.rope.apply(keys, cos, sin)  # (Hkv, N, D)
-        mask = None if n_keys == n_new else self._mask(n_new, n_keys)
-        out = F.scaled_dot_product_attention(
-            q_rot[None], k_rot[None], values[None], attn_mask=mask, is_causal=mask is None and n_new > 1,
-            scale=scaling, enable_gqa=True,
-        )  # (1, H, C, D)
+        # the queries whose attention each resident key received is counted (what picks representatives)
+        n_probe = 0 if forward.probe else min(n_new, self.cfg.representatives.stat_queries)
+        out, mass = window_attention(q, keys, values, cos, sin, scaling, n_probe, self.cfg.model.kernels)
+        # out (H, C, D); mass (Hkv, N) or None
 
         if forward.probe:
             forward.keys[layer] = k
         else:
-            s = min(n_new, self.cfg.representatives.stat_queries)  # the queries whose attention is counted
-            received = received_attention(q_rot, k_rot, scaling, self._mask(s, s), n_sink, split, n_mem)  # (Hkv, L + C)
+            assert mass is not None
+            received = resident_columns(mass, n_sink, split, n_mem).cpu()  # (Hkv, L + C)
             if kept is not None:  # the skipped tokens received nothing from these queries
                 full = received.new_zeros(received.shape[0], st.local_k.shape[1] + received.shape[1] - n_local)
                 full[:, kept.cpu()] = received[:, :n_local]
@@ -153,16 +143,7 @@ class EpisodicState:
             elif skip:
                 received = torch.cat([received.new_zeros(received.shape[0], skip), received], dim=1)
             self._append(st, k, v, received)
-        return out.transpose(1, 2)
-
-    def _mask(self, n_queries: int, n_keys: int) -> torch.Tensor:  # (C, N) bool view
-        # A lower-right causal mask of width N is the right end of a wider one: build it once per
-        # query count and slice, since every layer (different recall sizes) wants another N.
-        wide = self._masks.get(n_queries)
-        if wide is None or wide.shape[1] < n_keys:
-            width = max(n_keys, self.cfg.attention_span())
-            wide = self._masks[n_queries] = lower_right_causal_mask(n_queries, width).to(self.device)
-        return wide[:, wide.shape[1] - n_keys :]
+        return out[None].transpose(1, 2)
 
     def _cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1

@@ -1,4 +1,6 @@
-"""The assembled attention window: positions, the causal mask, assembly, and the attention residents received.
+"""The assembled attention window: positions, assembly, and which columns are the residents'.
+
+The attention over it (RoPE, causal mask, received mass) is `kernels.window_attention`.
 
 The window of one layer is  [sinks (S) | recalled memory (M) | local window (L) | new tokens (C)],
 or, while an answer reads its prompt and writes (`RecallConfig.answer_layout = "before_question"`),
@@ -30,11 +32,6 @@ def window_positions(
     return torch.cat([torch.arange(n_sink), memory, resident])
 
 
-def lower_right_causal_mask(n_queries: int, n_keys: int) -> torch.Tensor:  # (C, N) bool
-    """Query i (the i-th of the last n_queries tokens) sees keys 0 .. n_keys - n_queries + i."""
-    return torch.ones(n_queries, n_keys, dtype=torch.bool).tril(n_keys - n_queries)
-
-
 def assemble(sink: torch.Tensor, local: torch.Tensor, memory: torch.Tensor, new: torch.Tensor,
              memory_at: int) -> torch.Tensor:  # (Hkv, S + L + M + C, D)
     """The window's keys (or values) in attention order: memory after the first `memory_at` local tokens."""
@@ -45,24 +42,3 @@ def resident_columns(weights: torch.Tensor, n_sink: int, memory_at: int, n_memor
     """The columns of an assembled window's (..., N) weights that belong to local and new tokens, in order."""
     start = n_sink + memory_at
     return torch.cat([weights[..., n_sink:start], weights[..., start + n_memory :]], dim=-1)
-
-
-def received_attention(
-    q_rot: torch.Tensor,  # (H, C, D) the new tokens' queries, rotated
-    k_rot: torch.Tensor,  # (Hkv, N, D) the assembled window's keys, rotated
-    scaling: float,
-    causal: torch.Tensor,  # (s, s) bool lower-right causal mask of the last s queries (s <= C)
-    n_sink: int,
-    memory_at: int,
-    n_memory: int,
-) -> torch.Tensor:  # (Hkv, L + C)
-    """Attention the last s queries pay to each local and new token, summed over them and over the query
-    heads of each KV head (what picks an event's representatives)."""
-    h, _, d = q_rot.shape
-    hkv, n_keys, s = k_rot.shape[0], k_rot.shape[1], causal.shape[0]
-    probe = q_rot[:, -s:].float().reshape(hkv, (h // hkv) * s, d)  # (Hkv, G*s, D)
-    logits = (probe @ k_rot.float().transpose(1, 2) * scaling).view(hkv, h // hkv, s, n_keys)  # (Hkv, G, s, N)
-    # Causality only bites inside the last s keys (the probing queries themselves).
-    logits[..., n_keys - s :].masked_fill_(~causal, float("-inf"))
-    weights = logits.softmax(dim=-1).sum(dim=(1, 2))  # (Hkv, N)
-    return resident_columns(weights, n_sink, memory_at, n_memory).cpu()

@@ -32,6 +32,8 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
+from engramkv.kernels.gather import unpack_codes
+
 Codec = Literal["fp16", "int8", "int4", "int2"]
 CODECS: tuple[str, ...] = ("fp16", "int8", "int4", "int2")
 
@@ -78,11 +80,6 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:  # (..., D) uint8 < 2
     for j in range(1, per_byte):
         packed |= codes[..., j::per_byte] << (bits * j)
     return packed
-
-
-def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:  # (..., D * bits / 8) uint8 -> (..., D)
-    mask = (1 << bits) - 1
-    return torch.stack([(packed >> (bits * j)) & mask for j in range(8 // bits)], dim=-1).flatten(-2)
 
 
 def encode_layers(codec: Codec, keys: torch.Tensor, values: torch.Tensor) -> list[bytes]:
@@ -151,23 +148,47 @@ def _decode(codec: Codec, buffer: bytes | memoryview, n_kv_heads: int, n_tokens:
     if codec == "fp16":
         half = h * t * d * 2
         return _read(buf, 0, "<f2", (h, t, d), "f2"), _read(buf, half, "<f2", (h, t, d), "f2") if values else None
-    at = 4 * h * d + 4 * h * t  # codes start here
     bits = _BITS[codec]
     width = d * bits // 8
+    at = _offsets(h, t, d, width)
 
     def codes(offset: int) -> torch.Tensor:  # (H, T, D) float32
         if bits == 8:
             return _read(buf, offset, "u1", (h, t, d), "f4")
-        return _unpack(_read(buf, offset, "u1", (h, t, width), "u1"), bits).float()
+        return unpack_codes(_read(buf, offset, "u1", (h, t, width), "u1"), bits).float()
 
-    k_scale = _read(buf, 0, "<f2", (h, 1, d), "f4")
-    k_zero = _read(buf, 2 * h * d, "<f2", (h, 1, d), "f4")
-    keys = torch.addcmul(k_zero, codes(at), k_scale).half()  # (H, T, D)
+    k_scale = _read(buf, at["k_scale"], "<f2", (h, 1, d), "f4")
+    k_zero = _read(buf, at["k_zero"], "<f2", (h, 1, d), "f4")
+    keys = torch.addcmul(k_zero, codes(at["k_codes"]), k_scale).half()  # (H, T, D)
     if not values:
         return keys, None
-    v_scale = _read(buf, 4 * h * d, "<f2", (h, t, 1), "f4")
-    v_zero = _read(buf, 4 * h * d + 2 * h * t, "<f2", (h, t, 1), "f4")
-    return keys, torch.addcmul(v_zero, codes(at + h * t * width), v_scale).half()  # (H, T, D) each
+    v_scale = _read(buf, at["v_scale"], "<f2", (h, t, 1), "f4")
+    v_zero = _read(buf, at["v_zero"], "<f2", (h, t, 1), "f4")
+    return keys, torch.addcmul(v_zero, codes(at["v_codes"]), v_scale).half()  # (H, T, D) each
+
+
+def _offsets(h: int, t: int, d: int, width: int) -> dict[str, int]:
+    """Where each part of a quantised layer starts (the layout in this module's docstring)."""
+    return {"k_scale": 0, "k_zero": 2 * h * d, "v_scale": 4 * h * d, "v_zero": 4 * h * d + 2 * h * t,
+            "k_codes": 4 * h * d + 4 * h * t, "v_codes": 4 * h * d + 4 * h * t + h * t * width}
+
+
+def quant_parts(codec: Codec, buffer: bytes | memoryview, n_kv_heads: int, n_tokens: int, head_dim: int
+                ) -> dict[str, torch.Tensor]:
+    """One int8/int4/int2 layer's parts as they lie, for `kernels.gather`'s arena: k_scale, k_zero (H, D) and
+    v_scale, v_zero (H, T) float16; k_codes, v_codes (H, T, D * bits / 8) uint8."""
+    if codec not in _BITS:
+        raise ValueError(f"{codec} is not a quantised codec; expected one of {tuple(_BITS)}")
+    h, t, d = n_kv_heads, n_tokens, head_dim
+    buf = memoryview(buffer).cast("B")
+    if buf.nbytes != layer_nbytes(codec, h, t, d):
+        raise ValueError(f"{codec} layer of shape ({h}, {t}, {d}) needs {layer_nbytes(codec, h, t, d)} bytes, "
+                         f"got {buf.nbytes}")
+    width = d * _BITS[codec] // 8
+    at = _offsets(h, t, d, width)
+    shapes = {"k_scale": (h, d), "k_zero": (h, d), "v_scale": (h, t), "v_zero": (h, t)}
+    parts = {name: _read(buf, at[name], "<f2", shape, "f2") for name, shape in shapes.items()}
+    return parts | {name: _read(buf, at[name], "u1", (h, t, width), "u1") for name in ("k_codes", "v_codes")}
 
 
 class LayerCodec(Protocol):
