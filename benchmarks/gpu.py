@@ -1,0 +1,312 @@
+"""Issue 19's GPU run, one prepared script: the kernels against their twins, ingest and decode on CUDA.
+
+Sized to finish inside about 8 minutes on an H200. Writes benchmarks/results/gpu/{name}.json and .md, and
+copies both into --out (the device tool's $OUT). It measures:
+1. the kernel tests (`tests/test_kernels.py`), compiled for the GPU;
+2. each kernel against its PyTorch twin, and the window attention also against bare
+   `scaled_dot_product_attention` over the same window already rotated, at the embedded model's shape, bf16;
+3. ingest of --tokens (default 1M) by a random-weight model of the embedded model's shape in bf16 (the
+   embedded GGUF is more than the device machine can be sent) against the bare model's forward over the
+   same window size (a chunk over a cached prefix as long as the engine's attention span), and the host
+   synchronisations per chunk (CUDA's sync debug mode, counted); stopped at --ingest-seconds, in which case
+   the rate is measured on the tokens read and the 10M-token time is extrapolated (the report says so);
+4. a decode step with that memory against one full-attention step over 4k tokens.
+
+On a machine without CUDA, --smoke runs every step at toy sizes (the kernels through Triton's interpreter),
+which checks the script before device minutes are spent on it (written under results/tmp/, ignored).
+
+The device machine's image lacks pydantic, SQLAlchemy, FAISS and our transformers pin: fetch their wheels
+here with `bash benchmarks/gpu_wheels.sh`, then run there, carrying `.whl`:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
+        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE and not os.environ.get("TRITON_INTERPRET"):
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel modules are imported, below
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from _common import RESULTS, write_results  # noqa: E402
+from engramkv import EngineConfig, EpisodicLM  # noqa: E402
+from engramkv.config import ModelConfig  # noqa: E402
+from engramkv.kernels.gather import gather  # noqa: E402
+from engramkv.kernels.representatives import search  # noqa: E402
+from engramkv.kernels.window_attention import apply_rotary, window_attention  # noqa: E402
+
+# SmolLM2-135M-Instruct's shape (the embedded model), and a toy one for --smoke
+EMBEDDED = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                rope_theta=100000.0, tie_word_embeddings=True)
+TOY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=32, vocab_size=512, max_position_embeddings=8192)
+
+
+class _Ids:
+    """The tokenizer a random-weight model needs: a stable id per word (the engine encodes its demonstrations)."""
+
+    eos_token_id = None
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [zlib.crc32(word.encode()) % self.vocab for word in text.split()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(map(str, ids))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def kernel_tests(device: torch.device) -> dict[str, Any]:
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    last = (run.stdout.strip().splitlines() or ["(no output)"])[-1]
+    print("kernel tests:", last, flush=True)
+    return {"returncode": run.returncode, "summary": last, "seconds": time.perf_counter() - started,
+            "output_tail": (run.stdout + run.stderr)[-3000:]}
+
+
+def kernel_timings(shape: dict[str, Any], cfg: EngineConfig, device: torch.device, dtype: torch.dtype,
+                   repeats: int, events: int, smoke: bool) -> list[dict[str, Any]]:
+    """Each kernel against its twin at the model's shape: one layer's window, every layer's search, a recall."""
+    h, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    # (the interpreter takes half a minute for one full-size window)
+    chunk, n_keys = (64, 300) if smoke else (cfg.window.chunk_size, cfg.attention_span())
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(device, dtype)
+
+    q, keys, values = rand(h, chunk, d), rand(hkv, n_keys, d), rand(hkv, n_keys, d)
+    angles = torch.arange(n_keys).float()[:, None] / 10000 ** (torch.arange(0, d, 2).float() / d)[None]
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(device, dtype) for f in (torch.cos, torch.sin))
+    probe = cfg.representatives.stat_queries
+    q_rot, k_rot = apply_rotary(q, cos[-chunk:], sin[-chunk:]), apply_rotary(keys, cos, sin)
+
+    def sdpa() -> None:
+        F.scaled_dot_product_attention(q_rot[None], k_rot[None], values[None], is_causal=True, scale=d**-0.5,
+                                       enable_gqa=True)
+
+    rows: list[dict[str, Any]] = []
+
+    def compare(name: str, triton_fn: Callable[[], Any], twin_fn: Callable[[], Any],
+                extra: dict[str, Callable[[], Any]] | None = None) -> None:
+        row = {"kernel": name, "triton_s": median_seconds(triton_fn, device, repeats),
+               "twin_s": median_seconds(twin_fn, device, repeats)}
+        for label, fn in (extra or {}).items():
+            row[f"{label}_s"] = median_seconds(fn, device, repeats)
+        print(row, flush=True)
+        rows.append(row)
+
+    scale = d**-0.5
+    compare(f"window attention + received mass (C {chunk}, N {n_keys}, probe {probe})",
+            lambda: window_attention(q, keys, values, cos, sin, scale, probe, "triton"),
+            lambda: window_attention(q, keys, values, cos, sin, scale, probe, "torch"),
+            {"sdpa_rotated_no_mass": sdpa})
+    layers = shape["num_hidden_layers"]
+    reps, queries = rand(layers, events, hkv * d).float(), rand(layers, hkv * d).float()
+    compare(f"representative search, all {layers} layers ({events} events, top 32)",
+            lambda: search(reps, queries, 32, "triton"), lambda: search(reps, queries, 32, "torch"))
+    arena_tokens, recalled = 64 * events if events < 10_000 else 262_144, cfg.recall.budget_tokens
+    codes = torch.randint(0, 256, (2, hkv, arena_tokens, d), generator=gen, dtype=torch.uint8).to(device)
+    params = [rand(events, hkv, d).half(), rand(events, hkv, d).half(), rand(hkv, arena_tokens).half(),
+              rand(hkv, arena_tokens).half()]
+    rows_at = torch.randint(0, arena_tokens, (recalled,), generator=gen).to(device)
+    owner = torch.randint(0, events, (recalled,), generator=gen).to(device)
+    compare(f"gather + int8 dequantisation ({recalled} tokens)",
+            lambda: gather(codes[0], codes[1], *params, rows_at, owner, 8, dtype, "triton"),
+            lambda: gather(codes[0], codes[1], *params, rows_at, owner, 8, dtype, "torch"))
+    return rows
+
+
+def bare_window_chunk_s(model: torch.nn.Module, cfg: EngineConfig, vocab: int, device: torch.device,
+                        repeats: int) -> float:
+    """One chunk's forward over a cached prefix as long as the engine's attention span, then cropped back."""
+    chunk, span = cfg.window.chunk_size, cfg.attention_span()
+    gen = torch.Generator().manual_seed(1)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, vocab, (1, span - chunk), generator=gen).to(device), past_key_values=cache)
+        ids = torch.randint(0, vocab, (1, chunk), generator=gen).to(device)
+
+        def step() -> None:
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out.logits.float().logsumexp(-1)  # the engine normalises its logits once too (surprise)
+            cache.crop(-chunk)
+
+        return median_seconds(step, device, repeats)
+
+
+def ingest(lm: EpisodicLM, cfg: EngineConfig, tokens: int, vocab: int, seconds: float, device: torch.device
+           ) -> tuple[Any, dict[str, Any]]:
+    session = lm.session(cfg)
+    gen = torch.Generator().manual_seed(2)
+    chunk = cfg.window.chunk_size
+    block = 16 * chunk
+    done, syncs, sync_chunks = 0, 0, 0
+    started = time.perf_counter()
+    while done < tokens and time.perf_counter() - started < seconds:
+        ids = torch.randint(0, vocab, (min(block, tokens - done),), generator=gen).tolist()
+        if device.type == "cuda" and done >= 4 * block and sync_chunks == 0:  # count once, past the warm-up
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                session.ingest_ids(ids)
+            torch.cuda.set_sync_debug_mode("default")
+            syncs, sync_chunks = len(caught), len(ids) // chunk
+        else:
+            session.ingest_ids(ids)
+        done += len(ids)
+        if done % (32 * block) == 0:
+            print(f"ingested {done:,} tokens, {session.events:,} events, {time.perf_counter() - started:.0f} s",
+                  flush=True)
+    _sync(device)
+    elapsed = time.perf_counter() - started
+    return session, {"tokens": done, "seconds": elapsed, "tokens_per_s": done / elapsed, "events": session.events,
+                     "complete": done == tokens, "host_syncs_per_chunk": syncs / sync_chunks if sync_chunks else None,
+                     "sync_counted_chunks": sync_chunks}
+
+
+def decode_step_s(session: Any, vocab: int, new: int) -> float:
+    prompt = [1 % vocab, 2 % vocab, 3 % vocab]
+    first = time.perf_counter()
+    session.fork().generate_ids(prompt, max_new_tokens=1)
+    one = time.perf_counter() - first
+    started = time.perf_counter()
+    session.fork().generate_ids(prompt, max_new_tokens=new)
+    return (time.perf_counter() - started - one) / (new - 1)
+
+
+def full_attention_step_s(model: torch.nn.Module, context: int, vocab: int, device: torch.device,
+                          repeats: int) -> float:
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, vocab, (1, context)).to(device), past_key_values=cache)
+        token = torch.randint(0, vocab, (1, 1)).to(device)
+
+        def step() -> None:
+            model(input_ids=token, past_key_values=cache, use_cache=True).logits.argmax(-1).item()
+            cache.crop(-1)
+
+        return median_seconds(step, device, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=1 << 20, help="tokens to ingest (default 1M)")
+    parser.add_argument("--ingest-seconds", type=float, default=240.0, help="stop the ingest here and extrapolate")
+    parser.add_argument("--smoke", action="store_true", help="toy sizes, on any machine (kernels interpreted)")
+    parser.add_argument("--skip-tests", action="store_true", help="do not run tests/test_kernels.py first")
+    parser.add_argument("--name", default="gpu")
+    parser.add_argument("--out", type=Path, default=None, help="also copy the JSON and markdown here")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        raise SystemExit("no CUDA device: this script measures the GPU path (use --smoke to check it on the CPU)")
+    shape, dtype = (TOY, torch.float32) if args.smoke else (EMBEDDED, torch.bfloat16)
+    tokens = min(args.tokens, 6144) if args.smoke else args.tokens
+    repeats = 1 if args.smoke else 20
+    cfg = EngineConfig(model=ModelConfig(dtype="float32" if args.smoke else "bfloat16", device=device.type))
+
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+                              "torch": torch.__version__, "smoke": args.smoke, "shape": shape}
+    try:
+        import triton
+        report["triton"] = triton.__version__
+    except ImportError:
+        report["triton"] = None
+    if not args.skip_tests:
+        report["kernel_tests"] = kernel_tests(device)
+    report["kernels"] = kernel_timings(shape, cfg, device, dtype, repeats, 200 if args.smoke else 25_000, args.smoke)
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**shape)).to(device, dtype).eval()
+    bare = copy.deepcopy(model)
+    lm = EpisodicLM(model, _Ids(shape["vocab_size"]), "random-" + ("toy" if args.smoke else "smollm2-135m-shape"), cfg)
+    bare_s = bare_window_chunk_s(bare, cfg, shape["vocab_size"], device, repeats)
+    session, run = ingest(lm, cfg, tokens, shape["vocab_size"], args.ingest_seconds, device)
+    run["bare_tokens_per_s"] = cfg.window.chunk_size / bare_s
+    run["ratio_to_bare"] = run["tokens_per_s"] / run["bare_tokens_per_s"]
+    run["ten_million_minutes"] = 10_000_000 / run["tokens_per_s"] / 60
+    report["ingest"] = run
+    print(run, flush=True)
+    step = decode_step_s(session, shape["vocab_size"], new=8 if args.smoke else 33)
+    full = full_attention_step_s(bare, 4096, shape["vocab_size"], device, repeats)
+    report["decode"] = {"memory_tokens": run["tokens"], "step_s": step, "full_attention_4k_step_s": full,
+                        "ratio": step / full}
+    print(report["decode"], flush=True)
+
+    table = _table(report, cfg)
+    print(table)
+    # a smoke run checks the script and measures nothing: it stays out of the results
+    written = write_results(RESULTS / ("tmp/gpu" if args.smoke else "gpu"), args.name, report, table, cfg)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for path in written:
+            shutil.copy(path, args.out / path.name)
+    print("wrote", *written)
+
+
+def _table(report: dict[str, Any], cfg: EngineConfig) -> str:
+    run, decode = report["ingest"], report["decode"]
+    lines = [f"# GPU path ({report['device']}, torch {report['torch']}, triton {report['triton']}"
+             f"{', SMOKE RUN: toy sizes, not a measurement' if report['smoke'] else ''})", ""]
+    if "kernel_tests" in report:
+        lines += [f"Kernel tests: {report['kernel_tests']['summary']}", ""]
+    lines += ["| kernel | Triton ms | twin ms | twin / Triton | other |", "|---|---|---|---|---|"]
+    for row in report["kernels"]:
+        other = "; ".join(f"{k[:-2]} {v * 1e3:.3f} ms" for k, v in row.items() if k.endswith("_s")
+                          and k not in ("triton_s", "twin_s"))
+        lines.append(f"| {row['kernel']} | {row['triton_s'] * 1e3:.3f} | {row['twin_s'] * 1e3:.3f} | "
+                     f"{row['twin_s'] / row['triton_s']:.2f}x | {other} |")
+    measured = "measured on all of them" if run["complete"] else "measured on these, stopped at the time limit"
+    lines += ["", f"Ingest of {run['tokens']:,} tokens ({measured}; chunks of {cfg.window.chunk_size}): "
+              f"{run['tokens_per_s']:,.0f} tokens/s, {run['events']:,} events; the bare forward over the same "
+              f"window ({cfg.attention_span()} keys): {run['bare_tokens_per_s']:,.0f} tokens/s; **ratio "
+              f"{run['ratio_to_bare']:.2f}**. 10M tokens at this rate (extrapolated): "
+              f"{run['ten_million_minutes']:.1f} min. Host synchronisations per chunk: {run['host_syncs_per_chunk']}.",
+              "", f"Decode with {decode['memory_tokens']:,} tokens of memory: {decode['step_s'] * 1e3:.1f} ms per "
+              f"step; full attention over 4k tokens: {decode['full_attention_4k_step_s'] * 1e3:.1f} ms; **ratio "
+              f"{decode['ratio']:.2f}**.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
