@@ -20,7 +20,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,17 +165,33 @@ def open_catalog(url: str, writable: bool = True) -> Engine:
     query reads a retired column.
     """
     engine = create_engine(url)
+
+    @event.listens_for(engine, "handle_error")
+    def _damaged(context: Any) -> None:
+        # A damaged SQLite file fails wherever it is first read: say so, naming the file, for every query.
+        text = str(context.original_exception)
+        if engine.dialect.name == "sqlite" and any(sign in text for sign in _DAMAGED_SQLITE):
+            raise _damaged_catalog(engine, text) from context.original_exception
+
     if engine.dialect.name == "sqlite":
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
             cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
+            try:
+                cursor.execute("PRAGMA journal_mode=WAL")
+            except UnicodeDecodeError as err:  # a damaged header can name no text encoding SQLite knows
+                raise _damaged_catalog(engine, str(err)) from err
             cursor.execute("PRAGMA synchronous=FULL")  # a commit must survive a power cut, not just a kill
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
 
     Base.metadata.create_all(engine)
+    if engine.dialect.name == "sqlite":  # a damaged page can read as an empty table: check every page once
+        with engine.connect() as conn:
+            problems = [str(p) for p in conn.exec_driver_sql("PRAGMA quick_check").scalars()]
+        if problems != ["ok"]:
+            raise _damaged_catalog(engine, "; ".join(problems[:3]))
     if writable and "tier" in {c["name"] for c in inspect(engine).get_columns("events")}:
         if _drops_columns(engine):
             with engine.begin() as conn:
@@ -184,10 +201,30 @@ def open_catalog(url: str, writable: bool = True) -> Engine:
     return engine
 
 
+# What SQLite says of a file that is not (or no longer) a database.
+_DAMAGED_SQLITE = ("malformed", "file is not a database", "database corruption")
+
+
+def _damaged_catalog(db: Engine, why: str) -> StoreCorruptError:
+    return StoreCorruptError(f"the catalog {describe(db)} is damaged ({why}); the store cannot be read without "
+                             "it: restore the file from a backup")
+
+
 def _drops_columns(engine: Engine) -> bool:
     """Whether the database has ALTER TABLE ... DROP COLUMN (SQLite from 3.35; PostgreSQL always)."""
     version = engine.dialect.server_version_info  # known once create_all has connected
     return engine.dialect.name != "sqlite" or (version is not None and tuple(version) >= (3, 35))
+
+
+@contextmanager
+def _reading(db: Engine) -> Iterator[Session]:
+    """A session that reads. A row that cannot be decoded (a damaged SQLite page that still parses: bad UTF-8,
+    a NULL where a value must be, a malformed date) is a StoreCorruptError naming the catalog."""
+    with Session(db) as session:
+        try:
+            yield session
+        except (UnicodeDecodeError, ValueError, TypeError, KeyError) as err:
+            raise _damaged_catalog(db, f"a row cannot be read: {err}") from err
 
 
 def describe(db: Engine) -> str:
@@ -197,11 +234,14 @@ def describe(db: Engine) -> str:
 
 # ---------------------------------------------------------------------- the store
 def store_info(db: Engine) -> StoreRecord | None:
-    with Session(db) as session:
+    with _reading(db) as session:
         row = session.scalars(select(StoreInfo)).first()
         if row is None:
             return None
-        return StoreRecord(row.format_version, row.store_uuid, dict(json.loads(row.fingerprint)), row.codec)
+        fingerprint = json.loads(row.fingerprint)
+        if not isinstance(fingerprint, dict) or not all(isinstance(v, str) for v in (row.store_uuid, row.codec)):
+            raise ValueError("the store record is not one")
+        return StoreRecord(row.format_version, row.store_uuid, fingerprint, row.codec)
 
 
 def create_store_info(db: Engine, store_uuid: str, fingerprint: dict[str, Any], codec: str) -> None:
@@ -227,14 +267,14 @@ def get_or_create_namespace(db: Engine, names: tuple[str, str, str], create: boo
 
 
 def namespace_state(db: Engine, ns_id: int) -> NamespaceState | None:
-    with Session(db) as session:
+    with _reading(db) as session:
         row = session.get(NamespaceRow, ns_id)
         return None if row is None else _state(row)
 
 
 def list_namespaces(db: Engine) -> list[tuple[NamespaceState, int]]:
     """Every namespace in id order, with its number of documents."""
-    with Session(db) as session:
+    with _reading(db) as session:
         rows = session.scalars(select(NamespaceRow).order_by(NamespaceRow.id)).all()
         docs = dict(session.execute(select(DocumentRow.namespace_id, func.count())
                                     .group_by(DocumentRow.namespace_id)).all())
@@ -257,7 +297,7 @@ def _state(row: NamespaceRow) -> NamespaceState:
 # ---------------------------------------------------------------------- events and commits
 def load_events(db: Engine, ns_id: int) -> list[StoredEvent]:
     """The namespace's committed events in ordinal order."""
-    with Session(db) as session:
+    with _reading(db) as session:
         rows = session.execute(
             select(EventRow.ordinal, EventRow.token_start, EventRow.token_end, EventRow.surprise_mean,
                    EventRow.surprise_max, EventRow.segment, EventRow.offset, EventRow.length, EventRow.checksum)
@@ -327,14 +367,14 @@ def _save_document(session: Session, ns_id: int, doc: DocumentProgress) -> int:
 
 # ---------------------------------------------------------------------- documents
 def last_document(db: Engine, ns_id: int) -> DocumentProgress | None:
-    with Session(db) as session:
+    with _reading(db) as session:
         row = session.scalars(select(DocumentRow).where(DocumentRow.namespace_id == ns_id)
                               .order_by(DocumentRow.id.desc())).first()
         return None if row is None else _progress(row)
 
 
 def documents(db: Engine, ns_id: int) -> list[DocumentProgress]:
-    with Session(db) as session:
+    with _reading(db) as session:
         rows = session.scalars(select(DocumentRow).where(DocumentRow.namespace_id == ns_id)
                                .order_by(DocumentRow.id)).all()
         return [_progress(row) for row in rows]
@@ -342,7 +382,7 @@ def documents(db: Engine, ns_id: int) -> list[DocumentProgress]:
 
 def event_details(db: Engine, ns_id: int, ordinals: Sequence[int]) -> dict[int, tuple[str | None, dt.datetime]]:
     """(document name, time committed) of the committed events among `ordinals`."""
-    with Session(db) as session:
+    with _reading(db) as session:
         rows = session.execute(
             select(EventRow.ordinal, DocumentRow.name, EventRow.created_at)
             .outerjoin(DocumentRow, EventRow.document_id == DocumentRow.id)

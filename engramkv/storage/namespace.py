@@ -73,8 +73,7 @@ class NamespaceMemory:
             state.n_tokens, state.checkpoint, state.checkpoint_crc)
         self._columns = EventColumns()
         for expected, stored in enumerate(cat.load_events(store.db, ns_id)):
-            if stored.event.id != expected:
-                raise StoreCorruptError(f"namespace {self.namespace}: event {expected} missing from the catalog")
+            _check_row(stored, expected, self._columns, self.layout, f"the catalog {cat.describe(store.db)}")
             self._columns.append(stored.event, stored.ref)
         self.committed_events = len(self._columns)
         self._overlay: dict[int, bytes] = {}  # read-only namespaces keep new events here, never on disk
@@ -345,6 +344,20 @@ class NamespaceMemory:
         self.drop_caches()
         self._closed = True
         self.store._release(self.ns_id)
+
+
+def _check_row(stored: cat.StoredEvent, expected: int, before: EventColumns, layout: BlobLayout, where: str) -> None:
+    """A catalog row must be the next event, after the last, with the blob size its span needs: its values carry
+    no checksum of their own, so a damaged row is caught here rather than read as a wrong span of KV."""
+    event, ref = stored.event, stored.ref
+    if not all(isinstance(v, int) for v in (event.id, event.start, event.end, ref.segment, ref.offset, ref.length)):
+        raise StoreCorruptError(f"{where} is damaged: event {expected}'s row holds no span or blob location")
+    if event.id != expected:
+        raise StoreCorruptError(f"{where}: event {expected} is missing (found {event.id} in its place)")
+    previous_end = before.end[expected - 1] if expected else 0
+    if not (previous_end <= event.start < event.end) or ref.length != layout.nbytes(event.length):
+        raise StoreCorruptError(f"{where} is damaged: event {expected} spans tokens {event.start}-{event.end} (after "
+                                f"{previous_end}) with a blob of {ref.length} bytes")
 
 
 def _read_checkpoint(path: Path, crc: int | None) -> dict[str, Any]:

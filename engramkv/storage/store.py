@@ -127,7 +127,7 @@ class EventStore:
         """The store's codec, once its catalog, directory and model are known to belong together."""
         mine = self.spec.model_dump()
         id_file = self.path / "STORE_ID"
-        dir_id = id_file.read_text().strip() if id_file.exists() else None
+        dir_id = id_file.read_bytes().decode(errors="replace").strip() if id_file.exists() else None
         info = cat.store_info(self.db)
         if info is None:
             if self.read_only:
@@ -140,11 +140,13 @@ class EventStore:
             replace_durably(id_file, store_uuid.encode())
             cat.create_store_info(self.db, store_uuid, mine, codec)
             return codec
+        if dir_id is None or not _is_uuid(dir_id):
+            state = "missing" if dir_id is None else f"damaged (it holds {dir_id[:40]!r}, not a store id)"
+            raise StoreCorruptError(f"{id_file} is {state}; the catalog {cat.describe(self.db)} names the store "
+                                    f"{info.store_uuid}: if this directory is that store, write that id into it")
         if dir_id != info.store_uuid:
-            raise StoreMismatchError(
-                f"the catalog {cat.describe(self.db)} belongs to another store directory than {self.path} "
-                f"(store ids {info.store_uuid} vs {dir_id}); one catalog per store"
-            )
+            raise StoreMismatchError(f"{id_file} names the store {dir_id}, the catalog {cat.describe(self.db)} the "
+                                     f"store {info.store_uuid}: they belong to different stores (one catalog per store)")
         if info.format_version != cat.FORMAT_VERSION:
             raise StoreMismatchError(f"store format {info.format_version}, this engramkv reads {cat.FORMAT_VERSION}")
         theirs, mine_json = info.fingerprint, json.loads(json.dumps(mine, default=str))
@@ -255,3 +257,10 @@ class EventStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        return str(uuid.UUID(text)) == text
+    except ValueError:
+        return False
