@@ -76,7 +76,7 @@ class EpisodicState:
         self.summary_layers = summary_layers
         empty = torch.empty(spec.num_kv_heads, 0, spec.head_dim, dtype=self.dtype, device=self.device)
         self.layers = [
-            LayerState(empty, empty, empty, empty, torch.empty(spec.num_kv_heads, 0),
+            LayerState(empty, empty, empty, empty, torch.empty(spec.num_kv_heads, 0, device=self.device),
                        buffer=deque(maxlen=cfg.recall.contiguity_buffer))
             for _ in range(spec.num_layers)
         ]
@@ -134,10 +134,11 @@ class EpisodicState:
             forward.keys[layer] = k
         else:
             assert mass is not None
-            received = resident_columns(mass, n_sink, split, n_mem).cpu()  # (Hkv, L + C)
+            # on the compute device: no host synchronisation per layer and chunk (issue 19)
+            received = resident_columns(mass, n_sink, split, n_mem)  # (Hkv, L + C)
             if kept is not None:  # the skipped tokens received nothing from these queries
                 full = received.new_zeros(received.shape[0], st.local_k.shape[1] + received.shape[1] - n_local)
-                full[:, kept.cpu()] = received[:, :n_local]
+                full[:, kept] = received[:, :n_local]
                 full[:, st.local_k.shape[1]:] = received[:, n_local:]
                 received = full
             elif skip:
@@ -194,7 +195,8 @@ class EpisodicState:
         n_local_old = st.local_k.shape[1]
         st.local_k = torch.cat([st.local_k, k[:, to_sink:]], dim=1)
         st.local_v = torch.cat([st.local_v, v[:, to_sink:]], dim=1)
-        accumulated = torch.cat([st.local_attention, torch.zeros(received.shape[0], k.shape[1] - to_sink)], dim=1)
+        fresh = torch.zeros(received.shape[0], k.shape[1] - to_sink, device=received.device)
+        accumulated = torch.cat([st.local_attention, fresh], dim=1)
         # `received` covers [local (old) | new]; the sink part of the new tokens is dropped.
         accumulated[:, :n_local_old] += received[:, :n_local_old]
         accumulated[:, n_local_old:] += received[:, n_local_old + to_sink :]
@@ -278,7 +280,7 @@ class EpisodicState:
                     # would write the whole buffer.
                     "sink_k": st.sink_k.cpu().clone(), "sink_v": st.sink_v.cpu().clone(),
                     "local_k": st.local_k.cpu().clone(), "local_v": st.local_v.cpu().clone(),
-                    "local_attention": st.local_attention.clone(), "buffer": list(st.buffer),
+                    "local_attention": st.local_attention.cpu().clone(), "buffer": list(st.buffer),
                 }
                 for st in self.layers
             ],
@@ -297,7 +299,7 @@ class EpisodicState:
         for st, saved in zip(self.layers, snapshot["layers"]):
             st.sink_k, st.sink_v = saved["sink_k"].to(self.device), saved["sink_v"].to(self.device)
             st.local_k, st.local_v = saved["local_k"].to(self.device), saved["local_v"].to(self.device)
-            st.local_attention = saved["local_attention"]
+            st.local_attention = saved["local_attention"].to(self.device)
             st.buffer.clear()
             st.buffer.extend(saved["buffer"])
         self.forget_recalled()

@@ -45,7 +45,7 @@ def representative(
 ) -> torch.Tensor:  # (Hkv * D,)
     """Mean of the most-attended keys per KV head, concatenated over heads."""
     r = min(keys.shape[1], keys_per_head)
-    top = received.topk(r, dim=1).indices  # (Hkv, r)
+    top = received.topk(r, dim=1).indices.cpu()  # (Hkv, r)
     keys = keys.float().cpu()
     chosen = keys.gather(1, top[..., None].expand(-1, -1, keys.shape[-1]))  # (Hkv, r, D)
     return chosen.mean(dim=1).flatten()
