@@ -155,3 +155,16 @@ def test_the_engine_reads_the_same_through_the_kernels():
     assert len(starts_torch) > 3  # events were sealed, and recalled by the later chunks
     assert starts_triton == starts_torch
     torch.testing.assert_close(logits_triton, logits_torch, atol=1e-4, rtol=1e-4)
+
+
+def test_window_attention_accepts_strided_views():
+    """The engine hands over views (the HF hook's transposed queries); a head dim that is not unit-stride too."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(7, 4, 64, generator=gen).to(DEVICE).transpose(0, 1)  # (H 4, C 7, D) view
+    keys = torch.randn(2, 30, 128, generator=gen).to(DEVICE)[..., ::2]  # (Hkv, N, D) with stride 2 along D
+    values = torch.randn(2, 30, 64, generator=gen).to(DEVICE)
+    cos, sin = _rope_tables(30, 64)
+    expected = window_attention(q.contiguous(), keys.contiguous(), values, cos, sin, 0.125, 2, backend="torch")
+    got = window_attention(q, keys, values, cos, sin, 0.125, 2, backend="triton")
+    torch.testing.assert_close(got[0], expected[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got[1], expected[1], atol=2e-5, rtol=1e-4)

@@ -74,7 +74,7 @@ def _gather_triton(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.
     keys = torch.empty(hkv, n_out, head_dim, dtype=dtype, device=k_codes.device)
     values = torch.empty_like(keys)
     k_codes, v_codes, k_scale, k_zero = (t.contiguous() for t in (k_codes, v_codes, k_scale, k_zero))
-    v_scale, v_zero = v_scale.contiguous(), v_zero.contiguous()
+    v_scale, v_zero, rows, events = v_scale.contiguous(), v_zero.contiguous(), rows.contiguous(), events.contiguous()
     block = 32
     _gather_kernel[(triton.cdiv(n_out, block), hkv)](
         k_codes, v_codes, k_scale, k_zero, v_scale, v_zero, rows, events, keys, values,

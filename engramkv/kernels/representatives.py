@@ -44,6 +44,7 @@ def search_torch(reps: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[tor
 
 def _search_triton(reps: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     n_layers, n_events, dim = reps.shape
+    reps, queries = (t if t.stride(-1) == 1 else t.contiguous() for t in (reps, queries))
     tiles = triton.cdiv(n_events, TILE)
     width = triton.next_power_of_2(k)  # candidates kept per tile (the extra ones are -inf)
     values = torch.empty(n_layers, tiles * width, dtype=torch.float32, device=reps.device)

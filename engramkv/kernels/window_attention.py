@@ -106,6 +106,8 @@ def _window_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     h, n_new, d = q.shape
     hkv, n_keys = keys.shape[0], keys.shape[1]
+    # the kernels index the head dim (and the tables' rows) with unit stride
+    q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(h, n_new, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(h, n_new, dtype=torch.float32, device=q.device)  # log2-sum-exp2 of each query's scores
