@@ -43,7 +43,7 @@ def _subcommands() -> dict[str, object]:
 def test_every_command_has_help_and_is_in_the_readme():
     readme = README.read_text()
     commands = _subcommands()
-    assert set(commands) == {"ingest", "ask", "recall", "stats", "sessions", "chat", "calibrate", "fit-bases"}
+    assert set(commands) == {"ingest", "ask", "recall", "stats", "sessions", "chat", "calibrate", "fit-bases", "serve"}
     for name, sub in commands.items():
         assert sub.description, f"{name} has no --help description"  # type: ignore[attr-defined]
         assert f"engramkv {name}" in readme, f"`engramkv {name}` is not documented in the README"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -321,6 +322,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from engramkv.server.app import create_app
+    except ImportError as err:
+        raise ConfigError(f"engramkv serve needs FastAPI and uvicorn ({err}): pip install 'engramkv[serve]'") from err
+
+    token = args.token or os.environ.get("ENGRAMKV_API_TOKEN") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and token is None:
+        raise ConfigError(f"serving on {args.host} reaches other machines: give --token (or set ENGRAMKV_API_TOKEN)")
+    lm = _model(args)
+    uvicorn.run(create_app(lm, args.store, token), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 # ---------------------------------------------------------------------- plumbing
 def _session(lm: Any, args: argparse.Namespace, read_only: bool = False) -> Any:
     return lm.session(store=args.store, user_id=args.user, agent_id=args.agent, session_id=args.session,
@@ -333,7 +350,8 @@ def _one_line(text: str, limit: int = 160) -> str:
 
 
 COMMANDS = {"ingest": cmd_ingest, "ask": cmd_ask, "recall": cmd_recall, "calibrate": cmd_calibrate,
-            "fit-bases": cmd_fit_bases, "stats": cmd_stats, "sessions": cmd_sessions, "chat": cmd_chat}
+            "fit-bases": cmd_fit_bases, "stats": cmd_stats, "sessions": cmd_sessions, "chat": cmd_chat,
+            "serve": cmd_serve}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -140,4 +140,17 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
                        "progress bar, /session NAME to switch. Conversation turns are kept as memory.")
     _common(p, json_flag=False)
     p.set_defaults(run=commands["chat"], json=False)
+
+    p = sub.add_parser("serve", help="an HTTP API over a store, the model loaded once",
+                       description="Serve every namespace of one store over HTTP (ingest with progress, streamed "
+                       "chat, recall, stats, namespaces; the OpenAPI schema at /openapi.json, interactive docs at "
+                       "/docs). Bound to localhost by default; any other address needs an API token.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--token", default=None, help="API token every request must send as 'Authorization: Bearer "
+                   "TOKEN' (default: $ENGRAMKV_API_TOKEN; required off localhost)")
+    p.add_argument("--store", default=DEFAULT_STORE, help=f"store directory (default {DEFAULT_STORE})")
+    p.add_argument("--model", default=None,
+                   help="hub id or local path of a Llama/Qwen2/Mistral model (default: the embedded one)")
+    p.set_defaults(run=commands["serve"], json=False)
     return parser

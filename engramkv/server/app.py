@@ -1,0 +1,256 @@
+"""`engramkv serve`: an HTTP API over the library's own calls, the model loaded once per process.
+
+Every namespace of one store is reachable at /v1/namespaces/{user}/{agent}/{session}/...: ingest (text or a
+file, with NDJSON progress when streamed), chat (the reply streamed as plain text, or JSON with what the
+answer read), recall, stats; /v1/namespaces lists and deletes. A namespace's session is opened on its first
+request and kept (a chat turn joins its stream, as in the TUI); its requests run one at a time (a lock per
+namespace), different namespaces side by side (FastAPI runs these handlers on its thread pool, and each
+forward pass carries its own engine state). The exception tree maps onto status codes (`STATUS`); FastAPI
+writes the OpenAPI schema (/openapi.json, /docs). With a token, every request must carry
+`Authorization: Bearer TOKEN`.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+
+from engramkv import (
+    ConfigError,
+    EmptyInputError,
+    EngramError,
+    EpisodicLM,
+    IngestReport,
+    InputError,
+    NamespaceError,
+    ReadOnlyError,
+    RecalledEvent,
+    Session,
+    SessionError,
+    SessionStats,
+    StoreCorruptError,
+    StoreFullError,
+    StoreLockedError,
+    StoreMismatchError,
+)
+
+# The exception tree onto HTTP: the most specific class listed first wins.
+STATUS: list[tuple[type[EngramError], int]] = [
+    (EmptyInputError, 400), (InputError, 400), (ConfigError, 400), (NamespaceError, 404),
+    (StoreLockedError, 409), (StoreMismatchError, 409), (ReadOnlyError, 409), (SessionError, 409),
+    (StoreFullError, 507), (StoreCorruptError, 500), (EngramError, 500),
+]
+
+Names = tuple[str, str, str]
+
+
+class IngestRequest(BaseModel):
+    text: str | None = Field(default=None, description="Text to read into the stream.")
+    path: str | None = Field(default=None, description="A UTF-8 text file on the server's disk (resumable).")
+    stream: bool = Field(default=False, description="Reply with NDJSON progress lines, then the report.")
+
+
+class ChatRequest(BaseModel):
+    message: str = Field(description="The user's turn.")
+    max_new_tokens: int | None = Field(default=None, ge=1, le=4096)
+    budget_tokens: int | None = Field(default=None, ge=1, description="The most context the answer reads.")
+    stream: bool = Field(default=False, description="Reply with the text as it is written (text/plain).")
+
+
+class ChatReply(BaseModel):
+    reply: str
+    recalled: list[RecalledEvent]  # what the answer attended to, best match first
+
+
+class RecallRequest(BaseModel):
+    query: str
+    k: int = Field(default=5, ge=1, le=100)
+
+
+class NamespaceEntry(BaseModel):
+    user_id: str
+    agent_id: str
+    session_id: str
+    tokens: int
+    events: int
+    documents: int
+    disk_bytes: int
+
+
+class Health(BaseModel):
+    model: str
+    store: str
+
+
+class Sessions:
+    """One open session per namespace, and the lock its requests take turns on."""
+
+    def __init__(self, lm: EpisodicLM, store: Path):
+        self.lm, self.store = lm, store
+        self._open: dict[Names, Session] = {}
+        self._locks: dict[Names, threading.Lock] = {}
+        self._guard = threading.Lock()  # over the two dicts
+
+    def lock(self, names: Names) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(names, threading.Lock())
+
+    def get(self, names: Names) -> Session:
+        """The namespace's session (call with its lock held)."""
+        with self._guard:
+            session = self._open.get(names)
+        if session is None:
+            session = self.lm.session(store=self.store, user_id=names[0], agent_id=names[1], session_id=names[2])
+            with self._guard:
+                self._open[names] = session
+        return session
+
+    def delete(self, names: Names) -> None:
+        with self.lock(names):
+            with self._guard:
+                session = self._open.pop(names, None)
+            if session is not None:
+                session.close()
+            store = self.lm.open_store(self.store)
+            if not any((n.user_id, n.agent_id, n.session_id) == names for n in store.namespaces()):
+                raise NamespaceError(f"no namespace {'/'.join(names)} in {self.store}")
+            store.delete_namespace(*names)
+
+    def close(self) -> None:
+        with self._guard:
+            sessions, self._open = list(self._open.values()), {}
+        for session in sessions:
+            session.close()
+        self.lm.close()
+
+
+def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None) -> FastAPI:
+    """The API over `store`, answering with `lm`; `token`: required of every request when given."""
+    sessions = Sessions(lm, Path(store).expanduser())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> Any:
+        yield
+        sessions.close()  # commit and release every namespace, then the store's lock
+
+    def authorised(request: Request) -> None:
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise HTTPException(401, "a valid 'Authorization: Bearer TOKEN' header is required",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    app = FastAPI(title="engramkv", version="1", lifespan=lifespan, dependencies=[Depends(authorised)],
+                  description="Episodic memory inside a language model's attention, over HTTP.")
+
+    @app.exception_handler(EngramError)
+    async def engram_error(_request: Request, err: EngramError) -> JSONResponse:
+        status = next(code for cls, code in STATUS if isinstance(err, cls))
+        return JSONResponse({"detail": str(err), "error": type(err).__name__}, status_code=status)
+
+    @app.get("/v1/health", response_model=Health)
+    def health() -> Health:
+        return Health(model=lm.spec.model_id, store=str(sessions.store))
+
+    @app.get("/v1/namespaces", response_model=list[NamespaceEntry])
+    def list_namespaces() -> list[NamespaceEntry]:
+        if not (sessions.store / "STORE_ID").exists():
+            return []
+        return [NamespaceEntry(**row.__dict__) for row in lm.open_store(sessions.store).namespaces()]
+
+    @app.delete("/v1/namespaces/{user}/{agent}/{session}", status_code=204)
+    def delete_namespace(user: str, agent: str, session: str) -> Response:
+        sessions.delete((user, agent, session))
+        return Response(status_code=204)
+
+    @app.post("/v1/namespaces/{user}/{agent}/{session}/ingest", response_model=IngestReport,
+              responses={200: {"content": {"application/x-ndjson": {}}}})
+    def ingest(user: str, agent: str, session: str, body: IngestRequest) -> Any:
+        if (body.text is None) == (body.path is None):
+            raise InputError("give exactly one of 'text' and 'path'")
+        names = (user, agent, session)
+
+        def run(progress: Any) -> IngestReport:
+            with sessions.lock(names):
+                s = sessions.get(names)
+                if body.path is not None:
+                    return s.ingest_file(body.path, progress=progress)
+                return s.ingest(body.text or "", progress=progress)
+
+        if not body.stream:
+            return run(None)
+        return StreamingResponse(_streamed_ingest(run), media_type="application/x-ndjson")
+
+    @app.post("/v1/namespaces/{user}/{agent}/{session}/chat", response_model=ChatReply,
+              responses={200: {"content": {"text/plain": {}}}})
+    def chat(user: str, agent: str, session: str, body: ChatRequest) -> Any:
+        names = (user, agent, session)
+        if not body.stream:
+            with sessions.lock(names):
+                s = sessions.get(names)
+                reply = s.chat(body.message, max_new_tokens=body.max_new_tokens, budget_tokens=body.budget_tokens)
+                return ChatReply(reply=reply, recalled=s.last_recalled)
+        lock = sessions.lock(names)
+        lock.acquire()
+        try:  # errors before the first piece (an empty message, a damaged store) are answered as errors
+            pieces = sessions.get(names).chat(body.message, stream=True, max_new_tokens=body.max_new_tokens,
+                                              budget_tokens=body.budget_tokens)
+            first = next(pieces, "")
+        except BaseException:
+            lock.release()
+            raise
+        return StreamingResponse(_released_after(lock, first, pieces), media_type="text/plain; charset=utf-8")
+
+    @app.post("/v1/namespaces/{user}/{agent}/{session}/recall", response_model=list[RecalledEvent])
+    def recall(user: str, agent: str, session: str, body: RecallRequest) -> list[RecalledEvent]:
+        names = (user, agent, session)
+        with sessions.lock(names):
+            return sessions.get(names).recall(body.query, k=body.k)
+
+    @app.get("/v1/namespaces/{user}/{agent}/{session}/stats", response_model=SessionStats)
+    def stats(user: str, agent: str, session: str) -> SessionStats:
+        names = (user, agent, session)
+        with sessions.lock(names):
+            return sessions.get(names).stats()
+
+    return app
+
+
+def _released_after(lock: threading.Lock, first: str, pieces: Iterator[str]) -> Iterator[str]:
+    """The reply's pieces, the namespace's lock released when they end (or the client goes away)."""
+    try:
+        yield first
+        yield from pieces
+    finally:
+        lock.release()
+
+
+def _streamed_ingest(run: Any) -> Iterator[str]:
+    """NDJSON: a progress line per update while `run` ingests on a thread, then the report (or the error)."""
+    updates: queue.Queue[dict[str, Any] | None] = queue.Queue()
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            report = run(lambda p: updates.put({"progress": p.model_dump(mode="json")}))
+            outcome["report"] = report.model_dump(mode="json")
+        except EngramError as err:
+            outcome["error"] = {"error": type(err).__name__, "detail": str(err)}
+        finally:
+            updates.put(None)
+
+    threading.Thread(target=work, name="engramkv-ingest", daemon=True).start()
+    while (update := updates.get()) is not None:
+        yield json.dumps(update) + "\n"
+    yield json.dumps(outcome) + "\n"
