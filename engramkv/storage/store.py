@@ -3,22 +3,21 @@
     STORE/
       catalog.sqlite          the catalog (`catalog.py`; or any SQLAlchemy URL, e.g. PostgreSQL)
       STORE_ID                the store's uuid, also in the catalog: pairs directory and catalog
-      LOCK                    flock'ed by the one writer; holds its pid
+      LOCK                    flock'ed by the one writer; holds its pid (a PostgreSQL catalog locks each
+                              namespace in the server instead: `locks.py`)
       LOWRANK_BASES           the lowrank codec's bases (`lowrank.py`), copied in when such a store is
                               created; its digest is in the catalog's codec name ("lowrank:<digest>")
       ns/000001/              one directory per namespace (`namespace.py`), named by catalog id (never
                               by user text, so no name can reach outside the store)
 
 A store records the `ModelSpec` of the model that created it and refuses to serve any other: its
-events' KV only mean something to that model. One process writes at a time; readers open it
-read-only beside the writer and see its last commit.
+events' KV only mean something to that model. One process writes at a time (with a PostgreSQL catalog:
+one per namespace); readers open it read-only beside the writers and see their last commits.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
 import shutil
 import uuid
@@ -35,7 +34,6 @@ from engramkv.errors import (
     ReadOnlyError,
     StoreCorruptError,
     StoreError,
-    StoreLockedError,
     StoreMismatchError,
 )
 from engramkv.spec import ModelSpec
@@ -44,6 +42,7 @@ from engramkv.storage import lowrank
 from engramkv.storage.codec import LayerCodec, QuantCodec
 from engramkv.storage.lowrank_codec import LowRankCodec
 from engramkv.storage.durable import replace_durably
+from engramkv.storage.locks import DirectoryLock, NamespaceLock
 from engramkv.storage.namespace import NamespaceMemory, dir_bytes
 
 BASES_FILE = "LOWRANK_BASES"
@@ -87,7 +86,11 @@ class EventStore:
     def __init__(self, path: str | Path, spec: ModelSpec, cfg: StoreConfig, read_only: bool = False):
         self.path = Path(path).expanduser().resolve()
         self.spec, self.cfg, self.read_only = spec, cfg, read_only
-        self._lock_fd: int | None = None
+        # A PostgreSQL catalog: writers of different namespaces share the store, each holding its namespace's
+        # lock (`locks.NamespaceLock`); otherwise one writer per store directory.
+        self.shared = (cfg.catalog_url or "").startswith("postgresql")
+        self._lock: DirectoryLock | None = None
+        self._namespace_locks: dict[int, NamespaceLock] = {}
         if read_only:
             if not (self.path / "catalog.sqlite").exists() and cfg.catalog_url is None:
                 raise StoreError(f"no engramkv store at {self.path}")
@@ -95,7 +98,8 @@ class EventStore:
             if self.path.exists() and not self.path.is_dir():
                 raise StoreError(f"{self.path} exists and is not a directory")
             self.path.mkdir(parents=True, exist_ok=True)
-            self._lock()
+            if not self.shared:
+                self._lock = DirectoryLock(self.path)
         self._open: dict[int, NamespaceMemory] = {}
         try:
             self.db = cat.open_catalog(cfg.catalog_url or f"sqlite:///{self.path / 'catalog.sqlite'}",
@@ -107,21 +111,6 @@ class EventStore:
                 self.db.dispose()
             self._unlock()
             raise
-
-    def _lock(self) -> None:
-        fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise StoreLockedError(
-                f"store {self.path} is open for writing by another process (pid {holder}); "
-                "one writer at a time — open it read-only or wait for that process to finish"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd
 
     def _check_fingerprint(self) -> str:
         """The store's codec, once its catalog, directory and model are known to belong together."""
@@ -207,13 +196,22 @@ class EventStore:
             raise NamespaceError(f"no namespace {'/'.join(names)} in {self.path}")
         if ns_id in self._open:
             raise StoreError(f"namespace {'/'.join(names)} is already open in this process (one stream, one session)")
-        memory = NamespaceMemory(self, ns_id, torch.device(device), dtype, list(summary_layers))
+        if self.shared and not self.read_only:
+            self._namespace_locks[ns_id] = NamespaceLock(self.db, ns_id, f"{'/'.join(names)} of {self.path}")
+        try:
+            memory = NamespaceMemory(self, ns_id, torch.device(device), dtype, list(summary_layers))
+        except BaseException:
+            self._release(ns_id)
+            raise
         self._open[ns_id] = memory
         return memory
 
     def _release(self, ns_id: int) -> None:
         """Called by `NamespaceMemory.close`: the namespace may be opened (or deleted) again."""
         self._open.pop(ns_id, None)
+        lock = self._namespace_locks.pop(ns_id, None)
+        if lock is not None:
+            lock.release()
 
     def namespaces(self) -> list[NamespaceInfo]:
         return [NamespaceInfo(*state.names, state.n_tokens, state.n_events, documents,
@@ -231,9 +229,14 @@ class EventStore:
             raise NamespaceError(f"no namespace {user_id}/{agent_id}/{session_id} in {self.path}")
         if ns_id in self._open:
             raise StoreError("close the session on this namespace before deleting it")
-        cat.delete_namespace_rows(self.db, ns_id)
-        # Files go after the rows: a crash in between leaves an orphan directory, which open ignores.
-        shutil.rmtree(self.namespace_dir(ns_id), ignore_errors=True)
+        lock = NamespaceLock(self.db, ns_id, "/".join(names)) if self.shared else None
+        try:
+            cat.delete_namespace_rows(self.db, ns_id)
+            # Files go after the rows: a crash in between leaves an orphan directory, which open ignores.
+            shutil.rmtree(self.namespace_dir(ns_id), ignore_errors=True)
+        finally:
+            if lock is not None:
+                lock.release()
 
     def namespace_dir(self, ns_id: int) -> Path:
         return self.path / "ns" / f"{ns_id:06d}"
@@ -248,9 +251,9 @@ class EventStore:
         self._unlock()
 
     def _unlock(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> EventStore:
         return self

@@ -1,0 +1,134 @@
+"""One store, many processes, a PostgreSQL catalog (issue 20): writers of different namespaces side by side,
+readers beside them, a second writer of a namespace refused with its holder named, a killed writer's lock
+released by the server. Runs against the test PostgreSQL server (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+CONFIG = ('{"window": {"chunk_size": 32, "n_sink": 8, "n_local": 64}, "recall": {"budget_tokens": 64}, '
+          '"segmentation": {"min_event": 4, "max_event": 24}, "store": {"codec": "int8", "commit_tokens": 64, '
+          '"catalog_url": CATALOG}}')
+PRELUDE = f"""
+import json, random, sys, time
+sys.path.insert(0, {str(HERE)!r})
+from conftest import tiny_pair
+from engramkv import EngineConfig, StoreLockedError
+"""
+
+WRITER = PRELUDE + """
+store, url, user, low, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+_, lm = tiny_pair("llama", EngineConfig.model_validate_json(CONFIG.replace("CATALOG", json.dumps(url))))
+session = lm.session(store=store, user_id=user)
+print("open", flush=True)
+rng = random.Random(low)
+for i in range(rounds):  # this namespace's text: numbers in [low, low + 80)
+    session.ingest(" ".join(str(rng.randrange(low, low + 80)) for _ in range(96)))
+    session.commit()
+    print("committed", session.events, flush=True)
+if rounds < 100:
+    print("holding", flush=True)
+    sys.stdin.readline()  # the namespace stays open (and locked) until the test says so
+session.close()
+print("done", flush=True)
+"""
+
+READER = PRELUDE + """
+store, url, user, low, seconds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+_, lm = tiny_pair("llama", EngineConfig.model_validate_json(CONFIG.replace("CATALOG", json.dumps(url))))
+checks, seen, until = 0, 0, time.monotonic() + seconds
+while time.monotonic() < until:
+    try:
+        session = lm.session(store=store, user_id=user, read_only=True)
+    except Exception:  # the namespace is not created yet
+        time.sleep(0.2)
+        continue
+    events = session.events
+    for hit in session.recall(" ".join(str(low + j) for j in range(0, 80, 7)), k=5):
+        words = [int(w) for w in hit.text.split()]
+        assert all(low <= w < low + 80 for w in words), ("another namespace's text", user, hit.text)
+        assert hit.event_id < events, ("an event past the reader's view", hit.event_id, events)
+        checks += 1
+    seen = max(seen, events)
+    session.close()
+    lm.close()
+print("reader", checks, seen, flush=True)
+"""
+
+SECOND_WRITER = PRELUDE + """
+store, url, user = sys.argv[1], sys.argv[2], sys.argv[3]
+_, lm = tiny_pair("llama", EngineConfig.model_validate_json(CONFIG.replace("CATALOG", json.dumps(url))))
+try:
+    lm.session(store=store, user_id=user)
+    print("opened", flush=True)
+except StoreLockedError as err:
+    print("locked:", err, flush=True)
+"""
+
+
+def _spawn(script: str, *args: str) -> subprocess.Popen:
+    code = f"CONFIG = {CONFIG!r}\n" + script
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(proc: subprocess.Popen, word: str, timeout: float = 120) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        if line.startswith(word):
+            return line
+        assert time.monotonic() < deadline, f"no {word!r} in time"
+    raise AssertionError(f"process ended before {word!r}: {proc.stderr.read() if proc.stderr else ''}")
+
+
+@pytest.fixture
+def pg_url(postgres_server: str) -> str:
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(host=postgres_server, user="engramkv", dbname="postgres", autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return f"postgresql+psycopg://engramkv@/{name}?host={postgres_server}"
+
+
+def test_writers_of_two_namespaces_and_six_readers_share_one_store(tmp_path, pg_url):
+    store = str(tmp_path / "store")
+    first = _spawn(WRITER, store, pg_url, "alice", "0", "6")
+    _wait_for(first, "open")  # the store exists (created by one process, not raced by two)
+    second = _spawn(WRITER, store, pg_url, "bob", "80", "6")
+    _wait_for(second, "open")
+    readers = [_spawn(READER, store, pg_url, user, low, "25") for user, low in (("alice", "0"), ("bob", "80")) * 3]
+
+    # a second writer of a namespace is refused, and told who holds it
+    rival = _spawn(SECOND_WRITER, store, pg_url, "alice")
+    out, err = rival.communicate(timeout=120)
+    assert out.startswith("locked:") and f"pid {first.pid}" in out, out + err
+
+    for reader in readers:
+        out, err = reader.communicate(timeout=300)
+        assert reader.returncode == 0, err
+        checks, seen = map(int, out.split()[1:3])
+        assert checks > 0 and seen > 0, out
+    for writer in (first, second):
+        out, err = writer.communicate("\n", timeout=300)
+        assert writer.returncode == 0 and "done" in out, err
+
+    # a writer killed while it holds its namespace: the server drops its connection, and the lock with it
+    doomed = _spawn(WRITER, store, pg_url, "carol", "160", "1000")
+    _wait_for(doomed, "committed")
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.wait(timeout=60)
+    after = _spawn(SECOND_WRITER, store, pg_url, "carol")
+    out, err = after.communicate(timeout=120)
+    assert out.startswith("opened"), out + err
+
