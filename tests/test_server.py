@@ -185,3 +185,15 @@ def test_a_real_server_answers_the_second_question_without_loading_the_model_aga
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_first_requests_to_many_namespaces_at_once_open_one_store(client):
+    """Concurrent first requests each open a session; the store they share is opened once (no lock clash)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def first_request(i: int) -> int:
+        return client.post(f"/v1/namespaces/u{i}/default/s/ingest", json={"text": _text(40, seed=i)}).status_code
+
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(first_request, range(6))) == [200] * 6
+    assert len(client.get("/v1/namespaces").json()) == 6

@@ -100,6 +100,7 @@ class Sessions:
         self._open: dict[Names, Session] = {}
         self._locks: dict[Names, threading.Lock] = {}
         self._guard = threading.Lock()  # over the two dicts
+        self._opening = threading.Lock()  # one session opens at a time: the first also opens the store
 
     def lock(self, names: Names) -> threading.Lock:
         with self._guard:
@@ -110,10 +111,16 @@ class Sessions:
         with self._guard:
             session = self._open.get(names)
         if session is None:
-            session = self.lm.session(store=self.store, user_id=names[0], agent_id=names[1], session_id=names[2])
+            with self._opening:
+                session = self.lm.session(store=self.store, user_id=names[0], agent_id=names[1],
+                                          session_id=names[2])
             with self._guard:
                 self._open[names] = session
         return session
+
+    def opening(self) -> threading.Lock:
+        """Held while a store or session is opened (the model's store table is not thread-safe)."""
+        return self._opening
 
     def delete(self, names: Names) -> None:
         with self.lock(names):
@@ -121,7 +128,8 @@ class Sessions:
                 session = self._open.pop(names, None)
             if session is not None:
                 session.close()
-            store = self.lm.open_store(self.store)
+            with self._opening:
+                store = self.lm.open_store(self.store)
             if not any((n.user_id, n.agent_id, n.session_id) == names for n in store.namespaces()):
                 raise NamespaceError(f"no namespace {'/'.join(names)} in {self.store}")
             store.delete_namespace(*names)
@@ -167,7 +175,9 @@ def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None) -> F
     def list_namespaces() -> list[NamespaceEntry]:
         if not (sessions.store / "STORE_ID").exists():
             return []
-        return [NamespaceEntry(**row.__dict__) for row in lm.open_store(sessions.store).namespaces()]
+        with sessions.opening():
+            store = lm.open_store(sessions.store)
+        return [NamespaceEntry(**row.__dict__) for row in store.namespaces()]
 
     @app.delete("/v1/namespaces/{user}/{agent}/{session}", status_code=204)
     def delete_namespace(user: str, agent: str, session: str) -> Response:
@@ -245,7 +255,7 @@ def _streamed_ingest(run: Any) -> Iterator[str]:
         try:
             report = run(lambda p: updates.put({"progress": p.model_dump(mode="json")}))
             outcome["report"] = report.model_dump(mode="json")
-        except EngramError as err:
+        except Exception as err:  # noqa: BLE001 - the client learns of any failure; the stream cannot turn 500
             outcome["error"] = {"error": type(err).__name__, "detail": str(err)}
         finally:
             updates.put(None)
