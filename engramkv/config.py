@@ -336,7 +336,7 @@ class StoreConfig(_Strict):
     )
     lowrank: LowRankConfig = LowRankConfig()
     hot_bytes: int = Field(default=256 * 2**20, ge=0, description="Decoded KV kept on the device (LRU by bytes); "
-                           "with hot_write_through, also new events' exact KV.")
+                           "hot_write_through's exact KV is held beside it (at most commit_tokens tokens' KV).")
     hot_write_through: bool = Field(default=True, description="New events' exact KV goes into the hot tier until the "
                                     "next commit (`storage.tiers.HotTier`); off: every read comes through the codec.")
     warm_bytes: int = Field(default=512 * 2**20, ge=0, description="Encoded blobs kept in host RAM (LRU by bytes).")

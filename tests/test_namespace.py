@@ -89,6 +89,28 @@ def test_a_new_events_exact_kv_is_read_while_hot_when_written_through(tmp_path, 
         memory.close()
 
 
+def test_written_through_kv_outlives_the_lru_until_the_commit(tmp_path):
+    """A hot tier far smaller than what is written through between two commits keeps every new event exact
+    until the commit (before, the LRU evicted the oldest and they were read through the codec again)."""
+    with open_store(tmp_path, codec="int8", hot_bytes=64) as store:  # 64 bytes: no decoded block fits
+        memory = open_namespace(store)
+        g = torch.Generator().manual_seed(4)
+        exact = []
+        for event in range(4):
+            keys, values = (torch.randn(SPEC.num_layers, SPEC.num_kv_heads, 5, SPEC.head_dim, generator=g) for _ in "kv")
+            memory.add(Event(event, 5 * event, 5 * event + 5, surprise_mean=1.0, surprise_max=2.0), keys, values,
+                       torch.randn(SPEC.num_layers, SPEC.num_kv_heads * SPEC.head_dim, generator=g),
+                       torch.randn(len(SUMMARY_LAYERS) * SPEC.num_kv_heads * SPEC.head_dim, generator=g),
+                       torch.arange(5))
+            exact.append(keys[2].to(memory.dtype))
+        assert all(torch.equal(memory.gather(2, [e])[0], exact[e]) for e in range(4))
+        assert memory.tier_bytes().hot >= 4 * exact[0].nbytes * 2 * SPEC.num_layers
+        memory.commit(snapshot(memory))
+        assert memory.tier_bytes().hot == 0
+        assert not torch.equal(memory.gather(2, [0])[0], exact[0])  # read through the codec from now on
+        memory.close()
+
+
 def test_blob_refs_point_at_the_segment_records(tmp_path):
     with open_store(tmp_path) as store:
         memory = open_namespace(store)

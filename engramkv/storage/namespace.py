@@ -189,7 +189,7 @@ class NamespaceMemory:
         return int(sum(self._columns.length))
 
     def tier_bytes(self) -> TierBytes:
-        return TierBytes(hot=self.hot.bytes, warm=self.warm.bytes, disk=dir_bytes(self.dir))
+        return TierBytes(hot=self.hot.held_bytes, warm=self.warm.bytes, disk=dir_bytes(self.dir))
 
     # ------------------------------------------------------------------ reading through the tiers
     def _await_prefetch(self) -> None:

@@ -70,21 +70,50 @@ class HotTier(LRUBytes[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]):
     """The hot tier: (keys, values) (Hkv, T, D) of (event, layer) on `device` in `dtype`, LRU by bytes.
 
     With `write_through`, a new event's exact KV goes in as it is stored (`stored`): while a session reads on,
-    recalls of it skip the codec's error and its decode. A commit empties the tier (`committed`): a run
-    resumed from that commit starts with an empty one, and one that goes on must read as it will, or the two
-    would cut different events (exact and decoded KV differ).
+    recalls of it skip the codec's error and its decode. Those entries are held beside the LRU, not evicted
+    by it (at most one commit interval's KV): an exact entry evicted part-way through an interval was read
+    through the codec again, and a lowrank store lost a 64k passkey that way. A commit empties the tier
+    (`committed`): a run resumed from that commit starts with an empty one, and one that goes on must read as
+    it will, or the two would cut different events (exact and decoded KV differ).
     """
 
     def __init__(self, capacity_bytes: int, device: torch.device, dtype: torch.dtype, write_through: bool):
         super().__init__(capacity_bytes, lambda kv: kv[0].nbytes + kv[1].nbytes)
         self.device, self.dtype, self.write_through = device, dtype, write_through
+        self._exact: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # written through, until a commit
+        self.exact_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """The LRU's bytes and the written-through ones."""
+        return self.bytes + self.exact_bytes
+
+    def get(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._lock:
+            exact = self._exact.get(key)
+        return exact if exact is not None else super().get(key)
+
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        with self._lock:
+            if key in self._exact:
+                return True
+        return super().__contains__(key)
 
     def stored(self, event_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:  # (L, Hkv, T, D) each
         if self.write_through:
             for layer in range(len(keys)):  # copies: the caller's window buffers move on
-                self.put((event_id, layer), (keys[layer].to(self.device, self.dtype, copy=True),
-                                             values[layer].to(self.device, self.dtype, copy=True)))
+                kv = (keys[layer].to(self.device, self.dtype, copy=True),
+                      values[layer].to(self.device, self.dtype, copy=True))
+                with self._lock:
+                    self._exact[(event_id, layer)] = kv
+                    self.exact_bytes += self.size_of(kv)
 
     def committed(self) -> None:
         if self.write_through:
             self.clear()
+
+    def clear(self) -> None:
+        super().clear()
+        with self._lock:
+            self._exact.clear()
+            self.exact_bytes = 0
