@@ -160,7 +160,8 @@ def worker(workdir: Path) -> None:
         try:
             outcome, detail = judge(target, pristine)
         except Exception as err:  # noqa: BLE001 - every other exception is what this fuzz looks for
-            where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_tb(err.__traceback__)[::-1][:6])
+            frames = traceback.extract_tb(err.__traceback__)[::-1][:6]
+            where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames)
             outcome, detail = "crash", f"{type(err).__name__}: {err}"[:600] + f" (at {where})"
         shutil.rmtree(target, ignore_errors=True)
         print(json.dumps({**case, "file": str(path.relative_to(target)), "damage_done": what, "outcome": outcome,
@@ -169,8 +170,8 @@ def worker(workdir: Path) -> None:
 
 def plan(n_cases: int, seed: int = 0) -> list[dict[str, Any]]:
     """Every kind with every damage, round robin, seeded."""
-    return [{"seed": seed * 100_000 + i, "kind": KINDS[i % len(KINDS)], "damage": DAMAGES[(i // len(KINDS)) % len(DAMAGES)]}
-            for i in range(n_cases)]
+    return [{"seed": seed * 100_000 + i, "kind": KINDS[i % len(KINDS)],
+             "damage": DAMAGES[(i // len(KINDS)) % len(DAMAGES)]} for i in range(n_cases)]
 
 
 def run(n_cases: int, workdir: Path, seed: int = 0, case_timeout: float = 120.0) -> list[dict[str, Any]]:
@@ -179,8 +180,9 @@ def run(n_cases: int, workdir: Path, seed: int = 0, case_timeout: float = 120.0)
     todo = plan(n_cases, seed)
     results: list[dict[str, Any]] = []
     while todo:
+        errors = open(workdir / "worker.err", "w+")  # a file, not a pipe: warnings must not fill it and block
         proc = subprocess.Popen([sys.executable, __file__, "--worker", str(workdir)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=errors, text=True)
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write("".join(json.dumps(c) + "\n" for c in todo))
         proc.stdin.close()
@@ -196,14 +198,20 @@ def run(n_cases: int, workdir: Path, seed: int = 0, case_timeout: float = 120.0)
             current = None
             if time.monotonic() > deadline:
                 break
-        proc.wait(timeout=case_timeout)
+        try:
+            proc.wait(timeout=case_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        errors.seek(0)
+        stderr = errors.read()[-300:]
+        errors.close()
         if current is not None:  # the worker died (or hung) inside this case
             case = next(c for c in todo if c["seed"] == current)
-            results.append({**case, "outcome": "crash", "detail": f"worker exited {proc.returncode}: "
-                            f"{(proc.stderr.read() if proc.stderr else '')[-300:]}"})
+            results.append({**case, "outcome": "crash", "detail": f"worker exited {proc.returncode}: {stderr}"})
             todo = [c for c in todo if c["seed"] != current]
         elif todo and proc.returncode != 0:
-            raise RuntimeError(f"worker failed outside a case: {proc.stderr.read() if proc.stderr else ''}")
+            raise RuntimeError(f"worker failed outside a case: {stderr}")
     return results
 
 

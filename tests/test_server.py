@@ -44,7 +44,7 @@ def _text(n: int, seed: int = 0) -> str:
 @pytest.fixture
 def client(tmp_path):
     _, lm = tiny_pair("llama", CFG)
-    with TestClient(create_app(lm, tmp_path / "store")) as c:
+    with TestClient(create_app(lm, tmp_path / "store", files_root=tmp_path / "files")) as c:
         yield c
 
 
@@ -68,7 +68,8 @@ def test_ingest_chat_recall_stats_and_namespaces(client):
 
 
 def test_streamed_ingest_reports_progress_then_the_report(client, tmp_path):
-    path = tmp_path / "doc.txt"
+    (tmp_path / "files").mkdir()
+    path = tmp_path / "files" / "doc.txt"
     path.write_text(_text(400, seed=1))
     lines = [json.loads(line) for line in client.post(f"{NS}/ingest", json={"path": str(path), "stream": True})
              .iter_lines() if line]
@@ -82,13 +83,26 @@ def test_errors_map_onto_status_codes(client, tmp_path):
     empty = client.post(f"{NS}/chat", json={"message": "   "})
     assert empty.status_code == 400 and empty.json()["error"] == "EmptyInputError"
     assert client.post(f"{NS}/ingest", json={}).status_code == 400  # neither text nor path
-    binary = tmp_path / "blob.bin"
+    (tmp_path / "files").mkdir()
+    binary = tmp_path / "files" / "blob.bin"
     binary.write_bytes(bytes(range(256)) * 4)
     assert client.post(f"{NS}/ingest", json={"path": str(binary)}).json()["error"] == "InputError"
+    # only files under the server's --files-root, whatever the path says
+    for outside in ("/etc/hostname", str(tmp_path / "files" / ".." / "store" / "catalog.sqlite")):
+        refused = client.post(f"{NS}/ingest", json={"path": outside})
+        assert refused.status_code == 400 and "outside" in refused.json()["detail"], refused.text
     bad_name = client.get("/v1/namespaces/a%20b/default/x/stats")
     assert bad_name.status_code == 404 and bad_name.json()["error"] == "NamespaceError"
     assert client.delete("/v1/namespaces/nobody/default/x").status_code == 404
     assert client.post(f"{NS}/recall", json={"query": "1", "k": 0}).status_code == 422
+
+
+def test_without_a_files_root_no_path_is_read_and_other_hosts_are_refused(tmp_path):
+    _, lm = tiny_pair("llama", CFG)
+    with TestClient(create_app(lm, tmp_path / "store", allowed_hosts=["testserver"])) as c:
+        refused = c.post(f"{NS}/ingest", json={"path": str(tmp_path)})
+        assert refused.status_code == 400 and "--files-root" in refused.json()["detail"]
+        assert c.get("/v1/health", headers={"host": "attacker.example"}).status_code == 400  # DNS rebinding
 
 
 def test_a_token_is_required_when_given(tmp_path):
@@ -108,7 +122,8 @@ def test_serving_off_localhost_without_a_token_is_refused(tmp_path, capsys):
 
 # Any JSON an operation's body could hold, and names that may or may not be valid namespaces.
 _json = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=20),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                     lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                      max_leaves=8)
 _name = st.sampled_from(["default", "bob", "a b", "..", "x" * 200, "ok.1"])
 
@@ -150,8 +165,9 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_a_real_server_answers_the_second_question_without_loading_the_model_again(tmp_path):
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-c", "from engramkv.cli import main; raise SystemExit(main())",
-                               "serve", "--store", str(tmp_path / "store"), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    command = [sys.executable, "-c", "from engramkv.cli import main; raise SystemExit(main())", "serve",
+               "--store", str(tmp_path / "store"), "--port", str(port)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     try:

@@ -331,10 +331,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"engramkv serve needs FastAPI and uvicorn ({err}): pip install 'engramkv[serve]'") from err
 
     token = args.token or os.environ.get("ENGRAMKV_API_TOKEN") or None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and token is None:
+    loopback = ["127.0.0.1", "localhost", "::1"]
+    if args.host not in loopback and token is None:
         raise ConfigError(f"serving on {args.host} reaches other machines: give --token (or set ENGRAMKV_API_TOKEN)")
     lm = _model(args)
-    uvicorn.run(create_app(lm, args.store, token), host=args.host, port=args.port, log_level="info")
+    app = create_app(lm, args.store, token, files_root=args.files_root,
+                     allowed_hosts=loopback if args.host in loopback else None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 

@@ -149,6 +149,8 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--token", default=None, help="API token every request must send as 'Authorization: Bearer "
                    "TOKEN' (default: $ENGRAMKV_API_TOKEN; required off localhost)")
+    p.add_argument("--files-root", default=None, metavar="DIR", help="the directory whose files an ingest request "
+                   "may name by path (default: none; requests send text)")
     p.add_argument("--store", default=DEFAULT_STORE, help=f"store directory (default {DEFAULT_STORE})")
     p.add_argument("--model", default=None,
                    help="hub id or local path of a Llama/Qwen2/Mistral model (default: the embedded one)")

@@ -117,7 +117,8 @@ def _window_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         out.stride(0), out.stride(1), cos.stride(0),
         n_new, n_keys, h // hkv, scaling,
-        HALF=d // 2, BLOCK_M=block, BLOCK_N=64,
+        # float32 stays float32 (a GPU's tl.dot would take TF32); half precision inputs ignore it
+        HALF=d // 2, BLOCK_M=block, BLOCK_N=64, PRECISION="ieee" if keys.dtype == torch.float32 else "tf32",
     )
     if n_probe == 0:
         return out, None
@@ -132,7 +133,9 @@ def _window_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.
 
 
 if triton is not None:
-    LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp2 is the cheap exponential
+    # scores are kept in log2 units: exp2 is the cheap exponential (a constexpr: compiled kernels read no
+    # other globals)
+    LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
     def _rotated(ptr, rows, row_stride, ok, cos_ptr, sin_ptr, trig_stride, positions, half: tl.constexpr):
@@ -150,7 +153,7 @@ if triton is not None:
     @triton.jit
     def _attention_kernel(Q, K, V, COS, SIN, OUT, LSE, sq_h, sq_c, sk_h, sk_n, sv_h, sv_n, so_h, so_c, s_trig,
                           n_new, n_keys, group, scaling,
-                          HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
         head = tl.program_id(1)
         kv = head // group
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # the queries of this tile
@@ -172,7 +175,8 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < n_keys
             k1, k2 = _rotated(K + kv * sk_h, cols, sk_n, col_ok, COS, SIN, s_trig, cols, HALF)
-            scores = tl.dot(q1, tl.trans(k1.to(dtype))) + tl.dot(q2, tl.trans(k2.to(dtype)))  # (M, N) log2 units
+            scores = (tl.dot(q1, tl.trans(k1.to(dtype)), input_precision=PRECISION)
+                      + tl.dot(q2, tl.trans(k2.to(dtype)), input_precision=PRECISION))  # (M, N) log2 units
             scores = tl.where(col_ok[None, :] & (cols[None, :] <= pos[:, None]), scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             p = tl.math.exp2(scores - m_new[:, None])
@@ -181,8 +185,8 @@ if triton is not None:
             v_at = V + kv * sv_h + cols[:, None] * sv_n
             v1 = tl.load(v_at + d[None, :], mask=col_ok[:, None], other=0.0)
             v2 = tl.load(v_at + HALF + d[None, :], mask=col_ok[:, None], other=0.0)
-            acc1 = acc1 * alpha[:, None] + tl.dot(p.to(dtype), v1)
-            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(dtype), v2)
+            acc1 = acc1 * alpha[:, None] + tl.dot(p.to(dtype), v1, input_precision=PRECISION)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(dtype), v2, input_precision=PRECISION)
             m_i = m_new
             start += BLOCK_N
         o_at = OUT + head * so_h + rows[:, None] * so_c

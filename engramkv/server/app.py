@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from pydantic import BaseModel, Field
 
 from engramkv import (
@@ -142,9 +143,14 @@ class Sessions:
         self.lm.close()
 
 
-def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None) -> FastAPI:
-    """The API over `store`, answering with `lm`; `token`: required of every request when given."""
+def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None, files_root: str | Path | None = None,
+               allowed_hosts: list[str] | None = None) -> FastAPI:
+    """The API over `store`, answering with `lm`. `token`: required of every request when given. `files_root`:
+    the directory whose files `ingest` may read by path (None: none; a path would let any client read any
+    file of the server's). `allowed_hosts`: the Host headers accepted (a page in a browser on this machine
+    can reach localhost under a name it controls: DNS rebinding)."""
     sessions = Sessions(lm, Path(store).expanduser())
+    root = None if files_root is None else Path(files_root).expanduser().resolve()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> Any:
@@ -161,6 +167,8 @@ def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None) -> F
 
     app = FastAPI(title="engramkv", version="1", lifespan=lifespan, dependencies=[Depends(authorised)],
                   description="Episodic memory inside a language model's attention, over HTTP.")
+    if allowed_hosts is not None:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)
 
     @app.exception_handler(EngramError)
     async def engram_error(_request: Request, err: EngramError) -> JSONResponse:
@@ -189,6 +197,11 @@ def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None) -> F
     def ingest(user: str, agent: str, session: str, body: IngestRequest) -> Any:
         if (body.text is None) == (body.path is None):
             raise InputError("give exactly one of 'text' and 'path'")
+        if body.path is not None:
+            if root is None:
+                raise InputError("this server reads no files by path (engramkv serve --files-root DIR); send 'text'")
+            if not Path(body.path).expanduser().resolve().is_relative_to(root):
+                raise InputError(f"{body.path} is outside {root}, the directory this server reads files from")
         names = (user, agent, session)
 
         def run(progress: Any) -> IngestReport:
@@ -211,16 +224,18 @@ def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None) -> F
                 s = sessions.get(names)
                 reply = s.chat(body.message, max_new_tokens=body.max_new_tokens, budget_tokens=body.budget_tokens)
                 return ChatReply(reply=reply, recalled=s.last_recalled)
-        lock = sessions.lock(names)
-        lock.acquire()
-        try:  # errors before the first piece (an empty message, a damaged store) are answered as errors
-            pieces = sessions.get(names).chat(body.message, stream=True, max_new_tokens=body.max_new_tokens,
-                                              budget_tokens=body.budget_tokens)
-            first = next(pieces, "")
-        except BaseException:
-            lock.release()
-            raise
-        return StreamingResponse(_released_after(lock, first, pieces), media_type="text/plain; charset=utf-8")
+
+        def write(put: Any) -> None:
+            with sessions.lock(names):
+                for piece in sessions.get(names).chat(body.message, stream=True, max_new_tokens=body.max_new_tokens,
+                                                      budget_tokens=body.budget_tokens):
+                    put(piece)
+
+        # The reply is written on a thread of its own, which holds the namespace's lock to the end whether or not
+        # the client stays; an error before the first piece (an empty message, a damaged store) is answered as one.
+        pieces = _on_thread(write)
+        first = next(pieces, "")
+        return StreamingResponse(_chain(first, pieces), media_type="text/plain; charset=utf-8")
 
     @app.post("/v1/namespaces/{user}/{agent}/{session}/recall", response_model=list[RecalledEvent])
     def recall(user: str, agent: str, session: str, body: RecallRequest) -> list[RecalledEvent]:
@@ -237,13 +252,29 @@ def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None) -> F
     return app
 
 
-def _released_after(lock: threading.Lock, first: str, pieces: Iterator[str]) -> Iterator[str]:
-    """The reply's pieces, the namespace's lock released when they end (or the client goes away)."""
-    try:
-        yield first
-        yield from pieces
-    finally:
-        lock.release()
+def _on_thread(work: Any) -> Iterator[str]:
+    """Run `work(put)` on a thread; yield what it puts, then raise what it raised (if anything)."""
+    items: queue.Queue[Any] = queue.Queue()
+    done = object()
+
+    def run() -> None:
+        try:
+            work(items.put)
+        except BaseException as err:  # noqa: BLE001 - handed to the reader of the pieces
+            items.put(err)
+        finally:
+            items.put(done)
+
+    threading.Thread(target=run, name="engramkv-reply", daemon=True).start()
+    while (item := items.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
+    yield first
+    yield from rest
 
 
 def _streamed_ingest(run: Any) -> Iterator[str]:

@@ -186,12 +186,16 @@ def open_catalog(url: str, writable: bool = True) -> Engine:
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
 
-    Base.metadata.create_all(engine)
-    if engine.dialect.name == "sqlite":  # a damaged page can read as an empty table: check every page once
-        with engine.connect() as conn:
-            problems = [str(p) for p in conn.exec_driver_sql("PRAGMA quick_check").scalars()]
-        if problems != ["ok"]:
-            raise _damaged_catalog(engine, "; ".join(problems[:3]))
+    try:
+        if engine.dialect.name == "sqlite":  # a damaged page can read as an empty table: check every page first
+            with engine.connect() as conn:
+                problems = [str(p) for p in conn.exec_driver_sql("PRAGMA quick_check").scalars()]
+            if problems != ["ok"]:
+                raise _damaged_catalog(engine, "; ".join(problems[:3]))
+        Base.metadata.create_all(engine)
+    except BaseException:
+        engine.dispose()
+        raise
     if writable and "tier" in {c["name"] for c in inspect(engine).get_columns("events")}:
         if _drops_columns(engine):
             with engine.begin() as conn:
@@ -201,8 +205,7 @@ def open_catalog(url: str, writable: bool = True) -> Engine:
     return engine
 
 
-# What SQLite says of a file that is not (or no longer) a database.
-_DAMAGED_SQLITE = ("malformed", "file is not a database", "database corruption")
+_DAMAGED_SQLITE = ("malformed", "file is not a database", "database corruption")  # SQLite of a file not a database
 
 
 def _damaged_catalog(db: Engine, why: str) -> StoreCorruptError:

@@ -77,6 +77,7 @@ class NamespaceLock:
         try:
             self._conn.exec_driver_sql("SELECT pg_advisory_unlock(%(k1)s, %(k2)s)", self._keys)
             self._conn.commit()
-        finally:  # closing the connection releases the lock anyway
             self._conn.close()
-            self._conn = None
+        except Exception:  # noqa: BLE001 - a lost connection has released the lock already; drop it, do not pool it
+            self._conn.invalidate()
+        self._conn = None

@@ -83,7 +83,7 @@ class NamespaceMemory:
                 self._recover()
         except SegmentError as err:
             raise StoreCorruptError(f"namespace {self.namespace}: {err}") from err
-        self.hot = HotTier(cfg.hot_bytes, device, dtype, cfg.hot_write_through)
+        self.hot = HotTier(cfg.hot_bytes, device, dtype, cfg.hot_write_through and self.writable)
         self.warm: LRUBytes[int, bytes] = LRUBytes(cfg.warm_bytes, len)
         self.indexes = LayerIndexes.load(self.dir / "index", spec.num_layers, self.layout.dim, cfg.index,
                                          summary_layers, self.committed_events, self.representatives,
@@ -350,8 +350,10 @@ def _check_row(stored: cat.StoredEvent, expected: int, before: EventColumns, lay
     """A catalog row must be the next event, after the last, with the blob size its span needs: its values carry
     no checksum of their own, so a damaged row is caught here rather than read as a wrong span of KV."""
     event, ref = stored.event, stored.ref
-    if not all(isinstance(v, int) for v in (event.id, event.start, event.end, ref.segment, ref.offset, ref.length)):
-        raise StoreCorruptError(f"{where} is damaged: event {expected}'s row holds no span or blob location")
+    if not all(isinstance(v, int) for v in (event.id, event.start, event.end, ref.segment, ref.offset, ref.length,
+                                            ref.checksum)) \
+            or not all(isinstance(v, (int, float)) for v in (event.surprise_mean, event.surprise_max)):
+        raise StoreCorruptError(f"{where} is damaged: event {expected}'s row is not a span, blob location and surprise")
     if event.id != expected:
         raise StoreCorruptError(f"{where}: event {expected} is missing (found {event.id} in its place)")
     previous_end = before.end[expected - 1] if expected else 0

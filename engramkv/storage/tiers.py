@@ -74,7 +74,8 @@ class HotTier(LRUBytes[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]):
     by it (at most one commit interval's KV): an exact entry evicted part-way through an interval was read
     through the codec again, and a lowrank store lost a 64k passkey that way. A commit empties the tier
     (`committed`): a run resumed from that commit starts with an empty one, and one that goes on must read as
-    it will, or the two would cut different events (exact and decoded KV differ).
+    it will, or the two would cut different events (exact and decoded KV differ). A read-only namespace writes
+    nothing through: no commit would ever empty the tier.
     """
 
     def __init__(self, capacity_bytes: int, device: torch.device, dtype: torch.dtype, write_through: bool):
