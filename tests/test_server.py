@@ -111,6 +111,7 @@ def test_a_token_is_required_when_given(tmp_path):
         assert c.get("/v1/health").status_code == 401
         assert c.get("/v1/health", headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert c.get("/v1/health", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.get("/openapi.json").status_code == 401 and c.get("/docs").status_code == 401
 
 
 def test_serving_off_localhost_without_a_token_is_refused(tmp_path, capsys):

@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from pydantic import BaseModel, Field
@@ -157,17 +157,19 @@ def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None, file
         yield
         sessions.close()  # commit and release every namespace, then the store's lock
 
-    def authorised(request: Request) -> None:
-        if token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise HTTPException(401, "a valid 'Authorization: Bearer TOKEN' header is required",
-                                headers={"WWW-Authenticate": "Bearer"})
-
-    app = FastAPI(title="engramkv", version="1", lifespan=lifespan, dependencies=[Depends(authorised)],
+    app = FastAPI(title="engramkv", version="1", lifespan=lifespan,
                   description="Episodic memory inside a language model's attention, over HTTP.")
-    if allowed_hosts is not None:
+
+    @app.middleware("http")
+    async def authorised(request: Request, call_next: Any) -> Any:
+        # a middleware, not a route dependency: the schema and the docs pages are behind the token too
+        given = request.headers.get("authorization", "")
+        if token is not None and not secrets.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return JSONResponse({"detail": "a valid 'Authorization: Bearer TOKEN' header is required"},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    if allowed_hosts is not None:  # added last, so it runs first
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)
 
     @app.exception_handler(EngramError)
