@@ -48,19 +48,26 @@ class DirectoryLock:
 
 
 class NamespaceLock:
-    """A PostgreSQL advisory lock on one namespace, on its own connection of `db` (a SQLAlchemy Engine)."""
+    """A PostgreSQL advisory lock on one namespace, on a connection of its own (opened by the dialect of `db`, a
+    SQLAlchemy Engine, outside its pool: a server holding many namespaces must not starve the pool)."""
 
     def __init__(self, db: Any, ns_id: int, label: str):
-        self._conn = db.connect()
+        cargs, cparams = db.dialect.create_connect_args(db.url)
+        self._conn: Any = db.dialect.connect(*cargs, **cparams)  # a DBAPI connection
         me = f"engramkv pid {os.getpid()} on {socket.gethostname()}"[:63]  # application_name holds 63 bytes
-        keys = {"k1": ADVISORY_KEY, "k2": ns_id}
+        self._keys = (ADVISORY_KEY, ns_id)
         try:
-            self._conn.exec_driver_sql("SELECT set_config('application_name', %(me)s, false)", {"me": me})
-            got = self._conn.exec_driver_sql("SELECT pg_try_advisory_lock(%(k1)s, %(k2)s)", keys).scalar()
-            holder = None if got else self._conn.exec_driver_sql(
-                "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-                "WHERE l.locktype = 'advisory' AND l.classid::bigint = %(k1)s AND l.objid::bigint = %(k2)s "
-                "AND l.objsubid = 2 AND l.granted", keys).scalar()
+            cursor = self._conn.cursor()
+            cursor.execute("SELECT set_config('application_name', %s, false)", (me,))
+            cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", self._keys)
+            got = cursor.fetchone()[0]
+            holder = None
+            if not got:
+                cursor.execute("SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                               "WHERE l.locktype = 'advisory' AND l.classid::bigint = %s AND l.objid::bigint = %s "
+                               "AND l.objsubid = 2 AND l.granted", self._keys)
+                row = cursor.fetchone()
+                holder = row[0] if row else None
             self._conn.commit()  # a session-level lock outlives the transaction; the connection must not idle in one
         except BaseException:
             self._conn.close()
@@ -69,15 +76,12 @@ class NamespaceLock:
             self._conn.close()
             raise StoreLockedError(f"namespace {label} is open for writing by {holder or 'another process'}; one "
                                    "writer per namespace — open it read-only or wait for that writer to finish")
-        self._keys = keys
 
     def release(self) -> None:
-        if self._conn is None:
-            return
-        try:
-            self._conn.exec_driver_sql("SELECT pg_advisory_unlock(%(k1)s, %(k2)s)", self._keys)
-            self._conn.commit()
-            self._conn.close()
-        except Exception:  # noqa: BLE001 - a lost connection has released the lock already; drop it, do not pool it
-            self._conn.invalidate()
-        self._conn = None
+        """Close the lock's connection: the server releases every lock the session held."""
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # noqa: BLE001 - a connection already lost has released the lock with it
+                pass
+            self._conn = None
