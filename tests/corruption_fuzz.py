@@ -38,12 +38,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-CONFIG: dict[str, Any] = {
-    "window": {"chunk_size": 32, "n_sink": 8, "n_local": 64},
-    "recall": {"budget_tokens": 64},
-    "segmentation": {"min_event": 4, "max_event": 24},
-    "store": {"codec": "int8", "commit_tokens": 96, "index_save_events": 10, "segment_bytes": 65536},
-}
+from crash_harness import WORKER_CONFIG  # noqa: E402 - the crash harness's store, its indexes saved more often
+
+CONFIG: dict[str, Any] = {**WORKER_CONFIG, "store": {**WORKER_CONFIG["store"], "index_save_events": 10}}
 KINDS = ("catalog", "segment", "index", "manifest", "checkpoint", "store_id")
 DAMAGES = ("truncate", "flip", "zero", "delete")
 PROMPT = [5, 17, 99, 3, 42]

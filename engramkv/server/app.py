@@ -12,6 +12,7 @@ writes the OpenAPI schema (/openapi.json, /docs). With a token, every request mu
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import secrets
@@ -31,9 +32,11 @@ from engramkv import (
     EmptyInputError,
     EngramError,
     EpisodicLM,
+    EventStore,
     IngestReport,
     InputError,
     NamespaceError,
+    NamespaceInfo,
     ReadOnlyError,
     RecalledEvent,
     Session,
@@ -78,16 +81,6 @@ class RecallRequest(BaseModel):
     k: int = Field(default=5, ge=1, le=100)
 
 
-class NamespaceEntry(BaseModel):
-    user_id: str
-    agent_id: str
-    session_id: str
-    tokens: int
-    events: int
-    documents: int
-    disk_bytes: int
-
-
 class Health(BaseModel):
     model: str
     store: str
@@ -119,9 +112,10 @@ class Sessions:
                 self._open[names] = session
         return session
 
-    def opening(self) -> threading.Lock:
-        """Held while a store or session is opened (the model's store table is not thread-safe)."""
-        return self._opening
+    def event_store(self) -> EventStore:
+        """The store (opened once, like the sessions: the model's table of open stores is not thread-safe)."""
+        with self._opening:
+            return self.lm.open_store(self.store)
 
     def delete(self, names: Names) -> None:
         with self.lock(names):
@@ -129,11 +123,7 @@ class Sessions:
                 session = self._open.pop(names, None)
             if session is not None:
                 session.close()
-            with self._opening:
-                store = self.lm.open_store(self.store)
-            if not any((n.user_id, n.agent_id, n.session_id) == names for n in store.namespaces()):
-                raise NamespaceError(f"no namespace {'/'.join(names)} in {self.store}")
-            store.delete_namespace(*names)
+            self.event_store().delete_namespace(*names)  # NamespaceError where there is none
 
     def close(self) -> None:
         with self._guard:
@@ -181,13 +171,11 @@ def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None, file
     def health() -> Health:
         return Health(model=lm.spec.model_id, store=str(sessions.store))
 
-    @app.get("/v1/namespaces", response_model=list[NamespaceEntry])
-    def list_namespaces() -> list[NamespaceEntry]:
+    @app.get("/v1/namespaces", response_model=list[NamespaceInfo])
+    def list_namespaces() -> list[NamespaceInfo]:
         if not (sessions.store / "STORE_ID").exists():
             return []
-        with sessions.opening():
-            store = lm.open_store(sessions.store)
-        return [NamespaceEntry(**row.__dict__) for row in store.namespaces()]
+        return sessions.event_store().namespaces()
 
     @app.delete("/v1/namespaces/{user}/{agent}/{session}", status_code=204)
     def delete_namespace(user: str, agent: str, session: str) -> Response:
@@ -237,7 +225,7 @@ def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None, file
         # the client stays; an error before the first piece (an empty message, a damaged store) is answered as one.
         pieces = _on_thread(write)
         first = next(pieces, "")
-        return StreamingResponse(_chain(first, pieces), media_type="text/plain; charset=utf-8")
+        return StreamingResponse(itertools.chain([first], pieces), media_type="text/plain; charset=utf-8")
 
     @app.post("/v1/namespaces/{user}/{agent}/{session}/recall", response_model=list[RecalledEvent])
     def recall(user: str, agent: str, session: str, body: RecallRequest) -> list[RecalledEvent]:
@@ -274,26 +262,16 @@ def _on_thread(work: Any) -> Iterator[str]:
         yield item
 
 
-def _chain(first: str, rest: Iterator[str]) -> Iterator[str]:
-    yield first
-    yield from rest
-
-
 def _streamed_ingest(run: Any) -> Iterator[str]:
     """NDJSON: a progress line per update while `run` ingests on a thread, then the report (or the error)."""
-    updates: queue.Queue[dict[str, Any] | None] = queue.Queue()
     outcome: dict[str, Any] = {}
 
-    def work() -> None:
-        try:
-            report = run(lambda p: updates.put({"progress": p.model_dump(mode="json")}))
-            outcome["report"] = report.model_dump(mode="json")
-        except Exception as err:  # noqa: BLE001 - the client learns of any failure; the stream cannot turn 500
-            outcome["error"] = {"error": type(err).__name__, "detail": str(err)}
-        finally:
-            updates.put(None)
+    def work(put: Any) -> None:
+        report = run(lambda p: put(json.dumps({"progress": p.model_dump(mode="json")}) + "\n"))
+        outcome["report"] = report.model_dump(mode="json")
 
-    threading.Thread(target=work, name="engramkv-ingest", daemon=True).start()
-    while (update := updates.get()) is not None:
-        yield json.dumps(update) + "\n"
+    try:
+        yield from _on_thread(work)
+    except Exception as err:  # noqa: BLE001 - the client learns of any failure; the stream cannot turn 500
+        outcome = {"error": {"error": type(err).__name__, "detail": str(err)}}
     yield json.dumps(outcome) + "\n"

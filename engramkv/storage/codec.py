@@ -139,11 +139,7 @@ def decode_layer(
 
 def _decode(codec: Codec, buffer: bytes | memoryview, n_kv_heads: int, n_tokens: int, head_dim: int,
             values: bool) -> tuple[torch.Tensor, torch.Tensor | None]:  # `decode_layer`, the values optional
-    n = layer_nbytes(codec, n_kv_heads, n_tokens, head_dim)
-    buf = memoryview(buffer).cast("B")
-    if buf.nbytes != n:
-        raise ValueError(f"{codec} layer of shape ({n_kv_heads}, {n_tokens}, {head_dim}) "
-                         f"needs {n} bytes, got {buf.nbytes}")
+    buf = _layer_buffer(codec, buffer, n_kv_heads, n_tokens, head_dim)
     h, t, d = n_kv_heads, n_tokens, head_dim
     if codec == "fp16":
         half = h * t * d * 2
@@ -167,6 +163,15 @@ def _decode(codec: Codec, buffer: bytes | memoryview, n_kv_heads: int, n_tokens:
     return keys, torch.addcmul(v_zero, codes(at["v_codes"]), v_scale).half()  # (H, T, D) each
 
 
+def _layer_buffer(codec: Codec, buffer: bytes | memoryview, h: int, t: int, d: int) -> memoryview:
+    """`buffer` as bytes, checked to be one layer of shape (H, T, D) in `codec`."""
+    n = layer_nbytes(codec, h, t, d)
+    buf = memoryview(buffer).cast("B")
+    if buf.nbytes != n:
+        raise ValueError(f"{codec} layer of shape ({h}, {t}, {d}) needs {n} bytes, got {buf.nbytes}")
+    return buf
+
+
 def _offsets(h: int, t: int, d: int, width: int) -> dict[str, int]:
     """Where each part of a quantised layer starts (the layout in this module's docstring)."""
     return {"k_scale": 0, "k_zero": 2 * h * d, "v_scale": 4 * h * d, "v_zero": 4 * h * d + 2 * h * t,
@@ -180,10 +185,7 @@ def quant_parts(codec: Codec, buffer: bytes | memoryview, n_kv_heads: int, n_tok
     if codec not in _BITS:
         raise ValueError(f"{codec} is not a quantised codec; expected one of {tuple(_BITS)}")
     h, t, d = n_kv_heads, n_tokens, head_dim
-    buf = memoryview(buffer).cast("B")
-    if buf.nbytes != layer_nbytes(codec, h, t, d):
-        raise ValueError(f"{codec} layer of shape ({h}, {t}, {d}) needs {layer_nbytes(codec, h, t, d)} bytes, "
-                         f"got {buf.nbytes}")
+    buf = _layer_buffer(codec, buffer, h, t, d)
     width = d * _BITS[codec] // 8
     at = _offsets(h, t, d, width)
     shapes = {"k_scale": (h, d), "k_zero": (h, d), "v_scale": (h, t), "v_zero": (h, t)}
