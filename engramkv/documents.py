@@ -77,12 +77,15 @@ def check_document(path: str | Path) -> CheckedDocument:
     return CheckedDocument(p, offset, digest.hexdigest())
 
 
-def read_text(path: Path, start_byte: int = 0) -> Iterator[tuple[str, int]]:
-    """Text pieces of the file from `start_byte` (a character boundary), each with its size in bytes."""
+def read_text(path: Path, start_byte: int = 0, end_byte: int | None = None) -> Iterator[tuple[str, int]]:
+    """Text pieces of the file from `start_byte` to `end_byte` (None: its end; both character boundaries), each
+    with its size in bytes."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
     with open(path, "rb") as f:
         f.seek(start_byte)
-        while block := f.read(READ_BLOCK):
+        left = float("inf") if end_byte is None else end_byte - start_byte
+        while left > 0 and (block := f.read(int(min(READ_BLOCK, left)))):
+            left -= len(block)
             text = decoder.decode(block)
             if text:
                 yield text, len(text.encode("utf-8"))

@@ -6,6 +6,7 @@
     ├── InputError             the text given to ingest or ask cannot be used
     │   └── EmptyInputError    the input holds no tokens at all
     ├── SessionError           the session cannot do what was asked in its current state
+    ├── WorkerError            a sharded ingest's worker failed beyond its retries (the last commit stands)
     └── StoreError             a persistent store cannot be opened, read or written
         ├── StoreLockedError   another process holds the store open for writing
         ├── StoreMismatchError the store was written by another model (or another format)
@@ -40,6 +41,10 @@ class EmptyInputError(InputError):
 
 class SessionError(EngramError):
     """The session cannot perform the operation in its current state."""
+
+
+class WorkerError(EngramError):
+    """A sharded ingest's worker failed (or died more often than `shards.max_retries` allows)."""
 
 
 class StoreError(EngramError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,12 @@ from engramkv.storage.store import DEFAULT_NAME, EventStore
 class EpisodicLM:
     """A loaded model, patched for episodic attention. Cheap to share between sessions."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: Any, model_id: str, config: EngineConfig | None = None):
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, model_id: str, config: EngineConfig | None = None,
+                 loader: Callable[[], EpisodicLM] | None = None):
         self.config = config or EngineConfig()
+        # How another process loads this same model: a sharded ingest's workers call it (pickled by Ray).
+        # from_pretrained sets it; a model built by hand has none unless given.
+        self.loader = loader
         self.model = model
         self.tokenizer = tokenizer
         self.spec = hf.model_spec(model, model_id)
@@ -37,7 +43,7 @@ class EpisodicLM:
             model_cfg = config.model.model_copy(update={"name_or_path": name_or_path})
             config = config.model_copy(update={"model": model_cfg})
         model, tokenizer, model_id = hf.load_pretrained(config.model)
-        return cls(model, tokenizer, model_id, config)
+        return cls(model, tokenizer, model_id, config, loader=functools.partial(cls.from_pretrained, None, config))
 
     def session(
         self,

@@ -69,6 +69,24 @@ class Reader:
             ids, self.pending = self.pending, []
             self._read(ids, plan, run, progress)
 
+    def read_file(self, run: IngestRun, tokenizer: Any, progress: ProgressCallback | None) -> None:
+        """Read the rest of `run`'s file and commit it; Ctrl-C (under `run.interruptible`) commits first, then
+        raises `KeyboardInterrupt`."""
+        with run.interruptible():
+            if progress is not None:  # once before the first chunk, which takes seconds on a real model
+                progress(self.progress(run))
+            for ids in run.token_pieces(tokenizer):
+                self.feed(ids, run=run, progress=progress)
+                if run.stop_requested:
+                    break
+            self.flush(run=run, progress=progress)
+            run.finish(self.tokens)
+            self.commit(run.document)
+            if progress is not None:  # the last word: everything read is committed
+                progress(self.progress(run))
+            if run.stop_requested:
+                raise KeyboardInterrupt
+
     def _read(self, ids: list[int], plan: RecallPlan | None, run: IngestRun | None,
               progress: ProgressCallback | None) -> None:
         self.guarded(lambda: self.state.step(torch.tensor(ids, dtype=torch.long), plan))

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from engramkv import answering, chat
+from engramkv import answering, chat, sharding
 from engramkv.config import EngineConfig
 from engramkv.documents import IngestRun, check_document, tokenize_pieces
 from engramkv.engine.state import EpisodicState
@@ -43,13 +43,13 @@ def check_span(config: EngineConfig, spec: ModelSpec) -> None:
 
 
 class Backbone(Protocol):
-    """What a session uses of the model it runs on (an `EpisodicLM`): the patched model, its RoPE, spec and
-    tokenizer."""
+    """What a session uses of the model it runs on (an `EpisodicLM`): the patched model, RoPE, spec, tokenizer."""
 
     model: Any
     rope: Any
     spec: ModelSpec
     tokenizer: Any
+    loader: Any  # () -> a backbone like this one, in another process (None: cannot)
 
 
 class Session:
@@ -153,35 +153,33 @@ class Session:
         return IngestReport(tokens=self.state.n_tokens - tokens_before, events_sealed=len(self.memory) - events_before,
                             seconds=time.perf_counter() - started)
 
-    def ingest_file(self, path: str | Path, progress: ProgressCallback | None = None) -> IngestReport:
+    def ingest_file(self, path: str | Path, progress: ProgressCallback | None = None,
+                    workers: int | None = None) -> IngestReport:
         """Stream a UTF-8 text file into the stream (checked first: a bad file changes nothing).
 
         In a persistent session the document is recorded, commits carry its read position, and
         running the same ingest again after an interruption (Ctrl-C, a kill, a full disk) resumes
         where the last commit stopped; a file already ingested completely is skipped. Ctrl-C is
         honoured between chunks: the session commits, then `KeyboardInterrupt` propagates.
+
+        `workers` (default `shards.workers`) > 1 reads that many shards at once on Ray workers into an empty
+        store namespace (`engramkv.sharding`); a document too short to cut is read here as usual.
         """
         checked = check_document(path)
+        shards = sharding.plan_shards(checked.path, checked.size_bytes, workers or self.cfg.shards.workers,
+                                      self.cfg.shards.min_shard_bytes)
         with self._exclusive("ingest"):
             started, tokens_before, events_before = time.perf_counter(), self.state.n_tokens, len(self.memory)
             run = IngestRun.start(checked, self.memory.last_document(), self.tokens_ingested)
             if run.document.complete:
                 return IngestReport(tokens=0, events_sealed=0, seconds=0.0, already_ingested=True,
                                     document_tokens=run.document.token_end - run.document.token_start)
-            with run.interruptible():
-                if progress is not None:  # once before the first chunk, which takes seconds on a real model
-                    progress(self._reader.progress(run))
-                for ids in run.token_pieces(self.lm.tokenizer):
-                    self._reader.feed(ids, run=run, progress=progress)
-                    if run.stop_requested:
-                        break
-                self._reader.flush(run=run, progress=progress)
-                run.finish(self.tokens_ingested)
-                self._reader.commit(run.document)
-                if progress is not None:  # the last word: everything read is committed
-                    progress(self._reader.progress(run))
-                if run.stop_requested:
-                    raise KeyboardInterrupt
+            if len(shards) > 1:
+                sharding.ingest_sharded(self.lm.loader, self.lm.tokenizer, self.memory, self.cfg, checked, shards,
+                                        progress)
+                self._reader = Reader(self.state, self.memory, self.cfg)  # the stream the merge committed
+            else:
+                self._reader.read_file(run, self.lm.tokenizer, progress)
         return IngestReport(
             tokens=self.state.n_tokens - tokens_before, events_sealed=len(self.memory) - events_before,
             seconds=time.perf_counter() - started, resumed_from_byte=run.resumed_from,

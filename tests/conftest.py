@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import shutil
 import subprocess
@@ -59,6 +60,13 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     if arch == "mistral":
         return MistralForCausalLM(MistralConfig(**common, sliding_window=None)).eval()
     raise ValueError(arch)
+
+
+def tiny_lm(arch: str, config: EngineConfig) -> EpisodicLM:
+    """An EpisodicLM over tiny_model(arch) that another process can load again (its `loader`): what a sharded
+    ingest's Ray workers need (they import this module: tests/ must be on their PYTHONPATH)."""
+    return EpisodicLM(tiny_model(arch), IntTokenizer(), f"tiny-{arch}", config,
+                      loader=functools.partial(tiny_lm, arch, config))
 
 
 def tiny_pair(arch: str, config: EngineConfig) -> tuple[torch.nn.Module, EpisodicLM]:

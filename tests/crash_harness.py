@@ -2,6 +2,7 @@
 
     python tests/crash_harness.py --kills 100          # the full run (results under benchmarks/results/crash/)
     python tests/crash_harness.py --worker STORE TEXT  # one ingest (what the harness starts and kills)
+    python tests/crash_harness.py --sharded-worker STORE TEXT  # one ingest in 2 shards (tests/test_sharding.py's)
 
 The worker ingests a text file into a store with a tiny random Llama (same seed, so every process
 computes the same thing) and commits every few chunks. The harness starts it, picks a random
@@ -47,6 +48,37 @@ def worker(store: str, text_path: str) -> None:
     report = session.ingest_file(text_path, progress=lambda record: print("tokens", record.tokens, flush=True))
     session.close()
     print("done", report.model_dump_json(), flush=True)
+
+
+# A sharded ingest (`engramkv.sharding`) in two shards, the worker side of tests/test_sharding.py's driver kills.
+SHARDED_CONFIG: dict[str, Any] = {
+    "window": {"chunk_size": 32, "n_sink": 8, "n_local": 64},
+    "recall": {"budget_tokens": 64},
+    "segmentation": {"min_event": 4, "max_event": 24},
+    "store": {"codec": "int8", "commit_tokens": 4096, "segment_bytes": 65536},
+    "shards": {"min_shard_bytes": 1024, "threads_per_worker": 1},
+}
+
+
+def sharded_worker(store: str, text_path: str) -> None:
+    """Ingest `text_path` in two shards; prints "merging" once both are read (the merge follows at once)."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    from conftest import tiny_lm
+
+    from engramkv import EngineConfig
+
+    root = Path(store) / "shards"
+    said = []
+
+    def report(_record: Any) -> None:
+        if not said and len(list(root.glob("*/*/RESULT"))) == 2:
+            said.append(True)
+            print("merging", flush=True)
+
+    session = tiny_lm("llama", EngineConfig.model_validate(SHARDED_CONFIG)).session(store=store)
+    report_ = session.ingest_file(text_path, workers=2, progress=report)
+    session.close()
+    print("done", report_.model_dump_json(), flush=True)
 
 
 def make_text(path: Path, n_tokens: int, seed: int = 0) -> None:
@@ -154,12 +186,16 @@ def harness(workdir: Path, kills: int, n_tokens: int, seed: int = 0, log: Any = 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", nargs=2, metavar=("STORE", "TEXT"))
+    parser.add_argument("--sharded-worker", nargs=2, metavar=("STORE", "TEXT"))
     parser.add_argument("--kills", type=int, default=100)
     parser.add_argument("--tokens", type=int, default=12_000)
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker)
+        return
+    if args.sharded_worker:
+        sharded_worker(*args.sharded_worker)
         return
     import tempfile
 

@@ -11,10 +11,11 @@ EXPORTED = {
     "TierBytes", "Theta", "Answer", "calibrate", "CalibrationReport", "FitReport", "fit_lowrank_bases",
     # the config tree
     "EngineConfig", "AllocationConfig", "CalibrationConfig", "ModelConfig", "WindowConfig", "SegmentationConfig", "RefinementConfig", "RepresentativeConfig",
-    "RecallConfig", "GenerationConfig", "StoreConfig", "IndexConfig", "LowRankConfig",
+    "RecallConfig", "GenerationConfig", "StoreConfig", "IndexConfig", "LowRankConfig", "ShardConfig",
     # the exception tree
     "EngramError", "ConfigError", "ModelLoadError", "InputError", "EmptyInputError", "SessionError", "StoreError",
     "StoreLockedError", "StoreMismatchError", "StoreCorruptError", "StoreFullError", "ReadOnlyError", "NamespaceError",
+    "WorkerError",
 }
 
 

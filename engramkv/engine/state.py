@@ -312,6 +312,22 @@ class EpisodicState:
             st.recalled_ids, st.recalled_tokens, st.recalled_kv = [], None, None
 
 
+def shifted_snapshot(snapshot: dict[str, Any], tokens: int, events: int) -> dict[str, Any]:
+    """`snapshot` (from `EpisodicState.snapshot`) of a stream read after its first tokens were sinks alone, moved
+    to where its text lies in a longer stream: every position after the sinks by `tokens`, every event id by
+    `events`. A sharded ingest (`engramkv.sharding`) continues the whole document from its last shard this way."""
+    moved = dict(snapshot)
+    moved["n_tokens"] = snapshot["n_tokens"] + tokens
+    moved["local_start"] = moved["tail_start"] = snapshot["local_start"] + tokens
+    moved["boundaries"] = [b + tokens for b in snapshot["boundaries"]]
+    moved["events_sealed"] = snapshot["events_sealed"] + events
+    segmenter = snapshot["segmenter"]
+    moved["segmenter"] = {**segmenter, "event_start": segmenter["event_start"] + tokens,
+                          "position": segmenter["position"] + tokens}
+    moved["layers"] = [{**layer, "buffer": [e + events for e in layer["buffer"]]} for layer in snapshot["layers"]]
+    return moved
+
+
 def _parts_index(lengths: list[int], parts: Sequence[tuple[int, int]]) -> torch.Tensor:  # (M',)
     """Positions, in events gathered back to back with these `lengths`, of each event's [first, end) part."""
     if len(parts) != len(lengths):

@@ -1,4 +1,4 @@
-"""Writes that survive a crash: fsync of a directory, and replace-by-rename of a whole file."""
+"""Writes that survive a crash: fsync of a directory, and replace-by-rename of a whole file; bytes on disk."""
 
 from __future__ import annotations
 
@@ -36,3 +36,10 @@ def replace_durably_with(path: Path, write: Callable[[Path], None]) -> None:
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 when it does not exist)."""
+    if not path.exists():
+        return 0
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

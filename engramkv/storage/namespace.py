@@ -35,7 +35,7 @@ from engramkv.memory.events import DocumentProgress, Event, TierBytes
 from engramkv.storage import catalog as cat
 from engramkv.storage.blob import BlobLayout
 from engramkv.storage.columns import EventColumns
-from engramkv.storage.durable import replace_durably
+from engramkv.storage.durable import dir_bytes, replace_durably
 from engramkv.storage.heap import release_free_heap
 from engramkv.storage.index import LayerIndexes
 from engramkv.storage.segments import BlobRef, SegmentError, SegmentLog
@@ -50,9 +50,8 @@ class NamespaceMemory:
 
     persistent = True
 
-    def __init__(
-        self, store: EventStore, ns_id: int, device: torch.device, dtype: torch.dtype, summary_layers: list[int]
-    ):
+    def __init__(self, store: EventStore, ns_id: int, device: torch.device, dtype: torch.dtype,
+                 summary_layers: list[int]):
         spec, cfg = store.spec, store.cfg
         self.store, self.ns_id, self.cfg = store, ns_id, cfg
         self.codec = store.codec  # the catalog's name of it (validated when the store was opened)
@@ -113,8 +112,7 @@ class NamespaceMemory:
 
     def add(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
             key_summary: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """`EventMemory.add`. The layer indexes get the representatives the blob gives back (a lowrank blob's are
-        int8), as a resumed store does: reading ranks with them. Summaries caught up on open come from decoded keys."""
+        """`EventMemory.add`; the indexes get the representatives the blob gives back (lowrank's int8), as on resume."""
         self._check_usable()
         if event.id != len(self):
             raise StoreError(f"event ids must be consecutive: expected {len(self)}, got {event.id}")
@@ -139,16 +137,30 @@ class NamespaceMemory:
         self._await_prefetch()  # else the prefetch thread's puts would order the hot tier by timing
         self.hot.stored(event.id, keys, values)
 
+    def adopt(self, events: Sequence[Event], blobs: Sequence[bytes]) -> None:
+        """Append events whose blobs a store of this codec wrote (a sharded ingest's merge), their ids and spans
+        already this namespace's; durable at the next commit, as `add`'s. Their key summaries come from the keys."""
+        self._check_usable()  # a read-only namespace's segments refuse the append
+        for event, blob in zip(events, blobs, strict=True):  # each must follow the last, with its span's blob size
+            _check_row(cat.StoredEvent(event, BlobRef(0, 0, len(blob), 0)), len(self), self._columns, self.layout,
+                       f"the events merged into {self.namespace}")
+            try:
+                self._columns.append(event, self.segments.append(blob))
+            except OSError as err:
+                self._fail(err)
+        summaries = self.layout.key_summaries(blobs, [e.length for e in events], self.summary_layers)  # (N, S)
+        for event, blob, summary in zip(events, blobs, summaries):
+            self.indexes.add(event.id, self.layout.representatives(blob, event.length), summary)
+
     def tokens(self, event_id: int) -> list[int]:
-        return self.layout.tokens(self._blob(event_id), self._columns.n_tokens(event_id))
+        return self.layout.tokens(self.blob(event_id), self._columns.n_tokens(event_id))
 
     def representatives(self, event_id: int) -> np.ndarray:  # (layers, F) float32
         """The event's per-layer representatives, as its layer indexes hold them (before any centring)."""
-        return self.layout.representatives(self._blob(event_id), self._columns.n_tokens(event_id))
+        return self.layout.representatives(self.blob(event_id), self._columns.n_tokens(event_id))
 
     def layer_representatives(self, event_ids: Sequence[int], layer: int) -> np.ndarray:  # (c, F) float32
-        """One layer's representatives, to re-score a low-rank search: read alone, so unchecked (the checksum covers
-        the whole blob): a damaged one can only mis-rank, and the KV an answer gathers is checked."""
+        """One layer's representatives, to re-score a low-rank search: read alone, unchecked (damage only mis-ranks)."""
         rows: list[bytes] = []
         for event_id in event_ids:
             at, size = self.layout.representative_span(self._columns.n_tokens(event_id), layer)
@@ -211,12 +223,12 @@ class NamespaceMemory:
         kv = {e: self.hot.get((e, layer)) for e in event_ids}
         missing = [e for e, pair in kv.items() if pair is None]
         counts = [self._columns.n_tokens(e) for e in missing]
-        for e, (k, v) in zip(missing, self.layout.layer_kv_each([self._blob(e) for e in missing], counts, layer)):
+        for e, (k, v) in zip(missing, self.layout.layer_kv_each([self.blob(e) for e in missing], counts, layer)):
             kv[e] = (k.to(self.device, self.dtype, non_blocking=True), v.to(self.device, self.dtype, non_blocking=True))
             self.hot.put((e, layer), kv[e])
         return kv  # type: ignore[return-value]  # every None was replaced
 
-    def _blob(self, event_id: int) -> bytes:
+    def blob(self, event_id: int) -> bytes:
         """The event's whole blob: warm tier, else read (and checksum) from the cold tier."""
         blob = self.warm.get(event_id) or self._overlay.get(event_id)
         if blob is not None:
@@ -238,12 +250,11 @@ class NamespaceMemory:
 
     def _key_summaries(self, event_ids: list[int]) -> np.ndarray:  # (N, S) from the stored keys
         counts = [self._columns.n_tokens(e) for e in event_ids]
-        return self.layout.key_summaries([self._blob(e) for e in event_ids], counts, self.summary_layers)
+        return self.layout.key_summaries([self.blob(e) for e in event_ids], counts, self.summary_layers)
 
     # ------------------------------------------------------------------ commits and checkpoints
     def commit(self, snapshot: dict[str, Any], document: DocumentProgress | None = None) -> None:
-        """Make everything added so far durable, with the stream state `snapshot` that follows it and
-        `document`'s read position (the document being ingested, if any)."""
+        """Make everything added durable, with the stream state `snapshot` after it and `document`'s read position."""
         self._check_usable()
         if not self.writable:
             raise ReadOnlyError(f"namespace {self.namespace} is open read-only")
@@ -298,7 +309,7 @@ class NamespaceMemory:
         return cat.documents(self.store.db, self.ns_id)
 
     def event_details(self, event_ids: Sequence[int]) -> dict[int, tuple[str | None, dt.datetime | None]]:
-        """(document name, time committed) of committed events; uncommitted ones get the current document."""
+        """(document name, commit time) of committed events; uncommitted ones get the current document."""
         details = dict(cat.event_details(self.store.db, self.ns_id, event_ids))
         current = self._document.name if self._document is not None else None
         for event_id in event_ids:
@@ -307,12 +318,7 @@ class NamespaceMemory:
 
     def _fail(self, err: OSError) -> NoReturn:
         self.broken = str(err)
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StoreFullError(
-                f"the disk under {self.dir} is full; the store keeps everything up to its last commit "
-                f"({self.committed_tokens} tokens). Free space and run the same ingest again to resume."
-            ) from err
-        raise StoreError(f"writing to {self.dir} failed: {err}; the store keeps its last commit") from err
+        raise _write_error(err, self.dir, self.committed_tokens) from err
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -323,13 +329,7 @@ class NamespaceMemory:
     # ------------------------------------------------------------------ verification and lifecycle
     def verify(self) -> int:
         """Check every committed blob's checksum against the catalog; returns the number checked."""
-        for event_id in range(self.committed_events):
-            try:
-                ok = self.segments.verify(self.blob_ref(event_id))
-            except SegmentError as err:
-                raise StoreCorruptError(f"event {event_id}: {err}") from err
-            if not ok:
-                raise StoreCorruptError(f"event {event_id}: checksum mismatch")
+        _verify_blobs(self.segments, [self.blob_ref(e) for e in range(self.committed_events)])
         return self.committed_events
 
     def close(self) -> None:
@@ -362,6 +362,23 @@ def _check_row(stored: cat.StoredEvent, expected: int, before: EventColumns, lay
                                 f"{previous_end}) with a blob of {ref.length} bytes")
 
 
+def _write_error(err: OSError, where: Path, committed_tokens: int) -> StoreError:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreFullError(f"the disk under {where} is full; the store keeps everything up to its last commit "
+                              f"({committed_tokens} tokens). Free space and run the same ingest again to resume.")
+    return StoreError(f"writing to {where} failed: {err}; the store keeps its last commit")
+
+
+def _verify_blobs(segments: SegmentLog, refs: Sequence[BlobRef]) -> None:
+    for event_id, ref in enumerate(refs):
+        try:
+            ok = segments.verify(ref)
+        except SegmentError as err:
+            raise StoreCorruptError(f"event {event_id}: {err}") from err
+        if not ok:
+            raise StoreCorruptError(f"event {event_id}: checksum mismatch")
+
+
 def _read_checkpoint(path: Path, crc: int | None) -> dict[str, Any]:
     try:
         data = path.read_bytes()
@@ -371,10 +388,3 @@ def _read_checkpoint(path: Path, crc: int | None) -> dict[str, Any]:
         raise StoreCorruptError(f"checkpoint {path} fails its checksum")
     snapshot: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
     return snapshot
-
-
-def dir_bytes(path: Path) -> int:
-    """Bytes of the files under `path` (0 when it does not exist)."""
-    if not path.exists():
-        return 0
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -41,9 +41,9 @@ from engramkv.storage import catalog as cat
 from engramkv.storage import lowrank
 from engramkv.storage.codec import LayerCodec, QuantCodec
 from engramkv.storage.lowrank_codec import LowRankCodec
-from engramkv.storage.durable import replace_durably
+from engramkv.storage.durable import dir_bytes, replace_durably
 from engramkv.storage.locks import DirectoryLock, NamespaceLock
-from engramkv.storage.namespace import NamespaceMemory, dir_bytes
+from engramkv.storage.namespace import NamespaceMemory
 
 BASES_FILE = "LOWRANK_BASES"
 SHIPPED_BASES = Path(__file__).resolve().parent.parent / "bases"  # fitted by `engramkv fit-bases`, one per model
