@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engramkv import EngineConfig, cli
+from engramkv import EngineConfig, Session, cli
 from engramkv.config import RecallConfig, SegmentationConfig, StoreConfig, WindowConfig
 
 from conftest import VOCAB, tiny_pair
@@ -103,6 +103,18 @@ def test_bad_input_gets_a_message_and_changes_nothing(tmp_path, capsys):
     assert "no engramkv store" in capsys.readouterr().err
     assert cli.main(["ingest", str(_doc(tmp_path / "d.txt")), "--store", str(store), "--user", "../etc"]) == 1
     assert "invalid user_id" in capsys.readouterr().err
+
+
+def test_ingest_workers_reaches_the_session_and_a_short_file_is_read_in_one_piece(tmp_path, capsys, monkeypatch):
+    doc = _doc(tmp_path / "doc.txt")  # ~3 KB: below shards.min_shard_bytes, so no Ray is started
+    seen = []
+    real = Session.ingest_file
+    monkeypatch.setattr(Session, "ingest_file", lambda self, path, progress=None, workers=None: (
+        seen.append(self.cfg.shards), real(self, path, progress, workers))[1])
+    assert cli.main(["ingest", str(doc), "--store", str(tmp_path / "store"), "--workers", "3", "--ray-address",
+                     "auto", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["tokens"] == 800
+    assert seen[0].workers == 3 and seen[0].ray_address == "auto"
 
 
 def test_ctrl_c_then_the_same_command_resumes(tmp_path, capsys, monkeypatch):

@@ -80,6 +80,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     config = _config_file(args.config, lm.config) if args.config else lm.config
     if args.codec is not None:
         config = _with_options(config, ("store",), args, ("codec",))
+    if args.workers is not None or args.ray_address is not None:
+        config = _with_options(config, ("shards",), args, ("workers", "ray_address"))
     session = lm.session(config, store=args.store, user_id=args.user, agent_id=args.agent,
                          session_id=args.session)
     stored = session.memory.codec.split(":")[0]  # "lowrank:<bases digest>"

@@ -38,6 +38,12 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
                    "and naming another one is an error")
     p.add_argument("--config", default=None, metavar="FILE",
                    help='JSON of the EngineConfig fields to change, e.g. {"store": {"index": {"rank": 24}}}')
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="read each file in N shards at once on Ray workers, merged in document order (a new, empty "
+                   "namespace; needs `pip install 'engramkv[ray]'`; default: the config's shards.workers, 1)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --workers: the Ray cluster to run on ('auto', 'ray://head:10001'); default: a local "
+                   "Ray for this ingest. Every worker must see the store's directory")
     _common(p)
     p.set_defaults(run=commands["ingest"])
 

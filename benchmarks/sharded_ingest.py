@@ -1,0 +1,127 @@
+"""Sharded ingest against a sequential one (issue 20): same answers, event counts, throughput, same run.
+
+For each task and seed, the sample's document (the evaluation's generator, `engramkv.tasks`) is written to a
+file and ingested twice into fresh stores with the default config on the embedded model:
+
+    sequential  `Session.ingest_file(path)` in this process with --threads torch threads (2 on these machines)
+    sharded     `Session.ingest_file(path, workers=N)`: N Ray workers of --threads / N threads each (a local
+                Ray started for the ingest and stopped after it: its start and the workers' model loads count)
+
+then each store answers the sample's question twice, with the benchmark's prompt and through `Session.chat`
+(what `engramkv ask` does), as `evaluate.py` asks it. The table gives, per sample, both replies and scores, the
+event counts, and the sharded run's throughput as a ratio to the sequential one's (tokens/s of the whole
+`ingest_file` call, the same tokens).
+
+    python benchmarks/sharded_ingest.py [--tasks passkey niah-single] [--length 32768] [--seeds 0 1]
+        [--workers 2] [--threads 2] [--name sharded_ingest] [--resume]
+
+Writes benchmarks/results/sharded/NAME.json and .md; --resume keeps the samples already in NAME.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import RESULTS, write_results
+from evalkit.systems import RssSampler, _engram_answer
+
+from engramkv import EngineConfig, EpisodicLM
+from engramkv.tasks import TASKS
+
+OUT = RESULTS / "sharded"
+
+
+def one_sample(lm: EpisodicLM, task: str, length: int, seed: int, workers: int, threads: int,
+               workdir: Path) -> dict[str, Any]:
+    sample = TASKS[task](lm.tokenizer, length, seed)
+    doc = workdir / f"{task}-{seed}.txt"
+    doc.write_text("".join(sample.context))
+    row: dict[str, Any] = {"task": task, "length": length, "seed": seed, "answers": sample.answers}
+    for kind, n_workers in (("sequential", 1), ("sharded", workers)):
+        store = workdir / f"{kind}-{task}-{seed}"
+        torch.set_num_threads(threads)
+        started = time.perf_counter()
+        with lm.session(store=store) as session:
+            report = session.ingest_file(doc, workers=n_workers)
+        seconds = time.perf_counter() - started
+        row[kind] = {"tokens": report.tokens, "events": report.events_sealed, "seconds": round(seconds, 1),
+                     "tokens_per_s": round(report.tokens / seconds, 1)}
+        for path, chat in (("prompt", False), ("chat", True)):
+            with RssSampler() as rss:
+                run = _engram_answer(lm, sample,  # it reads lm.tokenizer alone
+                                      lm.session(store=store), seconds, rss, chat_path=chat)
+            row[kind][path] = {"reply": run.reply, "score": sample.score(run.reply)}
+        lm.close()  # the store's lock: the next kind's store is another directory, but keep one open at a time
+        shutil.rmtree(store, ignore_errors=True)
+        print(f"{task} {seed} {kind}: {row[kind]}", flush=True)
+    seq, shard = row["sequential"], row["sharded"]
+    row["events_ratio"] = round(shard["events"] / seq["events"], 4)
+    row["throughput_ratio"] = round(shard["tokens_per_s"] / seq["tokens_per_s"], 3)
+    row["same_replies"] = all(seq[p]["reply"] == shard[p]["reply"] for p in ("prompt", "chat"))
+    return row
+
+
+def table(rows: list[dict[str, Any]], workers: int, threads: int) -> str:
+    lines = ["# Sharded ingest against sequential (embedded model, default config)", "",
+             f"Sequential: one process of {threads} threads. Sharded: {workers} Ray workers of "
+             f"{max(1, threads // workers)} thread(s), the local Ray's start and the workers' model loads included. "
+             "Throughput: tokens/s of the whole `ingest_file` call, sharded / sequential, the same run.", "",
+             "| task | length | seed | events seq / sharded (ratio) | tok/s seq / sharded (ratio) | prompt reply seq / "
+             "sharded | chat reply seq / sharded | same replies |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s, h = r["sequential"], r["sharded"]
+        lines.append(
+            f"| {r['task']} | {r['length']:,} | {r['seed']} | {s['events']:,} / {h['events']:,} ({r['events_ratio']:.3f}) "
+            f"| {s['tokens_per_s']:.0f} / {h['tokens_per_s']:.0f} ({r['throughput_ratio']:.2f}x) "
+            f"| {s['prompt']['reply'][:24]!r} {s['prompt']['score']:.0f} / {h['prompt']['reply'][:24]!r} "
+            f"{h['prompt']['score']:.0f} | {s['chat']['reply'][:24]!r} {s['chat']['score']:.0f} / "
+            f"{h['chat']['reply'][:24]!r} {h['chat']['score']:.0f} | {'yes' if r['same_replies'] else 'no'} |")
+    if rows:
+        ratios = sorted(r["throughput_ratio"] for r in rows)
+        lines += ["", f"{len(rows)} samples; throughput ratio median {ratios[len(ratios) // 2]:.2f}x "
+                  f"(range {ratios[0]:.2f}-{ratios[-1]:.2f}); replies the same in "
+                  f"{sum(r['same_replies'] for r in rows)} of {len(rows)}; scores sequential / sharded: prompt "
+                  f"{sum(r['sequential']['prompt']['score'] for r in rows):.0f} / "
+                  f"{sum(r['sharded']['prompt']['score'] for r in rows):.0f}, chat "
+                  f"{sum(r['sequential']['chat']['score'] for r in rows):.0f} / "
+                  f"{sum(r['sharded']['chat']['score'] for r in rows):.0f}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=["passkey", "niah-single"])
+    parser.add_argument("--length", type=int, default=32_768)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the sequential run, shared out "
+                        "among the workers of the sharded one")
+    parser.add_argument("--name", default="sharded_ingest")
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+    config = EngineConfig.model_validate({"shards": {"threads_per_worker": max(1, args.threads // args.workers)}})
+    lm = EpisodicLM.from_pretrained(config=config)
+    old = OUT / f"{args.name}.json"
+    rows: list[dict[str, Any]] = json.loads(old.read_text())["samples"] if args.resume and old.exists() else []
+    done = {(r["task"], r["seed"]) for r in rows}
+    workdir = Path(tempfile.mkdtemp(prefix="engramkv-sharded-"))
+    try:
+        for task in args.tasks:
+            for seed in args.seeds:
+                if (task, seed) in done:
+                    continue
+                rows.append(one_sample(lm, task, args.length, seed, args.workers, args.threads, workdir))
+                write_results(OUT, args.name, {"samples": rows}, table(rows, args.workers, args.threads), config)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
