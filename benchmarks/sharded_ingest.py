@@ -32,10 +32,29 @@ import torch
 from _common import RESULTS, write_results
 from evalkit.systems import RssSampler, _engram_answer
 
-from engramkv import EngineConfig, EpisodicLM
+from engramkv import EngineConfig, EpisodicLM, sharding
 from engramkv.tasks import TASKS
 
 OUT = RESULTS / "sharded"
+
+
+PHASES: dict[str, float] = {}  # seconds of the sharded ingest's phases, the last run's
+
+
+def _timed(name: str, fn: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            PHASES[name] = time.perf_counter() - started
+    return run
+
+
+# The session calls these through the module: timing them here splits a sharded ingest into its workers' reading
+# (Ray's start and the model loads included) and the merge.
+sharding.run_shards = _timed("read", sharding.run_shards)
+sharding.merge_shards = _timed("merge", sharding.merge_shards)
 
 
 def one_sample(lm: EpisodicLM, task: str, length: int, seed: int, workers: int, threads: int,
@@ -53,6 +72,8 @@ def one_sample(lm: EpisodicLM, task: str, length: int, seed: int, workers: int, 
         seconds = time.perf_counter() - started
         row[kind] = {"tokens": report.tokens, "events": report.events_sealed, "seconds": round(seconds, 1),
                      "tokens_per_s": round(report.tokens / seconds, 1)}
+        if kind == "sharded":
+            row[kind].update({f"{phase}_s": round(PHASES.pop(phase, 0.0), 1) for phase in ("read", "merge")})
         for path, chat in (("prompt", False), ("chat", True)):
             with RssSampler() as rss:
                 run = _engram_answer(lm, sample,  # it reads lm.tokenizer alone
@@ -72,14 +93,17 @@ def table(rows: list[dict[str, Any]], workers: int, threads: int) -> str:
     lines = ["# Sharded ingest against sequential (embedded model, default config)", "",
              f"Sequential: one process of {threads} threads. Sharded: {workers} Ray workers of "
              f"{max(1, threads // workers)} thread(s), the local Ray's start and the workers' model loads included. "
-             "Throughput: tokens/s of the whole `ingest_file` call, sharded / sequential, the same run.", "",
-             "| task | length | seed | events seq / sharded (ratio) | tok/s seq / sharded (ratio) | prompt reply seq / "
-             "sharded | chat reply seq / sharded | same replies |", "|---|---|---|---|---|---|---|---|"]
+             "Throughput: tokens/s of the whole `ingest_file` call, sharded / sequential, the same run; the sharded "
+             "call's seconds split into the workers' reading (Ray's start and the model loads included) and the merge.",
+             "", "| task | length | seed | events seq / sharded (ratio) | tok/s seq / sharded (ratio) | read s / merge s "
+             "| prompt reply seq / sharded | chat reply seq / sharded | same replies |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, h = r["sequential"], r["sharded"]
         lines.append(
             f"| {r['task']} | {r['length']:,} | {r['seed']} | {s['events']:,} / {h['events']:,} ({r['events_ratio']:.3f}) "
             f"| {s['tokens_per_s']:.0f} / {h['tokens_per_s']:.0f} ({r['throughput_ratio']:.2f}x) "
+            f"| {h.get('read_s', 0):.0f} / {h.get('merge_s', 0):.1f} "
             f"| {s['prompt']['reply'][:24]!r} {s['prompt']['score']:.0f} / {h['prompt']['reply'][:24]!r} "
             f"{h['prompt']['score']:.0f} | {s['chat']['reply'][:24]!r} {s['chat']['score']:.0f} / "
             f"{h['chat']['reply'][:24]!r} {h['chat']['score']:.0f} | {'yes' if r['same_replies'] else 'no'} |")
