@@ -48,6 +48,16 @@ def encode_around(tokenizer: Any, before: str, question: str, after: str) -> tup
     return ids, (len(before_ids), len(before_ids) + len(question_ids))
 
 
+def encode_prompt(tokenizer: Any, prompt: str, question: str | None) -> tuple[list[int], tuple[int, int] | None]:
+    """The ids of a raw prompt, and, where `question` is given, the span of its last occurrence in them."""
+    if question is None:
+        return encode(tokenizer, prompt), None
+    at = prompt.rfind(question) if isinstance(question, str) and question.strip() else -1
+    if at < 0:
+        raise InputError("question must be a non-blank part of prompt")
+    return encode_around(tokenizer, prompt[:at], question, prompt[at + len(question) :])
+
+
 def chat_turn(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str]], message: str) -> Turn:
     """The token ids of a user turn after `history`, in `cfg.chat_format`."""
     if cfg.chat_format == "qa":

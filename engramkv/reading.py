@@ -126,6 +126,15 @@ class Reader:
         self.state.forget_recalled()  # read on as a stream restored from this commit would
         self._uncommitted = 0
 
+    def refresh(self) -> int:
+        """Take in the memory's later commits (a read-only store reader) and restart from the last one's state."""
+        added = self.memory.refresh()
+        snapshot = self.memory.load_checkpoint()
+        if snapshot is not None:
+            self._restore(snapshot)
+        self._uncommitted = 0
+        return added
+
     def _snapshot(self) -> dict[str, Any]:
         return {"engine": self.state.snapshot(), "pending": list(self.pending),
                 "chat_history": json.dumps(self.chat_history),

@@ -203,16 +203,8 @@ class Session:
         recalled tokens; default `recall.answer_context_tokens`) and `theta` (the inference parameters), as
         `chat` takes them.
         """
-        tokenizer = self.lm.tokenizer
-        if question is None:
-            pieces = self._reply(chat.encode(tokenizer, prompt), max_new_tokens, budget_tokens=budget_tokens,
-                                 theta=theta)
-        else:
-            at = prompt.rfind(question) if isinstance(question, str) and question.strip() else -1
-            if at < 0:
-                raise InputError("question must be a non-blank part of prompt")
-            ids, span = chat.encode_around(tokenizer, prompt[:at], question, prompt[at + len(question) :])
-            pieces = self._reply(ids, max_new_tokens, question_span=span, budget_tokens=budget_tokens, theta=theta)
+        ids, span = chat.encode_prompt(self.lm.tokenizer, prompt, question)
+        pieces = self._reply(ids, max_new_tokens, question_span=span, budget_tokens=budget_tokens, theta=theta)
         return pieces if stream else "".join(pieces)
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> list[int]:
@@ -310,6 +302,12 @@ class Session:
             answers.append(Answer(question=message, text=text, theta=plan.theta and dataclasses.asdict(plan.theta),
                                   context_tokens=plan.context_tokens, recalled=self.last_recalled))
         return answers
+
+    def refresh(self) -> int:
+        """A read-only session of a store takes in what its writer committed since: the new events (returned) and
+        the last commit's resident window; what this session read or said since it opened is dropped."""
+        with self._exclusive("refresh"):
+            return self._reader.refresh()
 
     # ------------------------------------------------------------------ recall
     def recall(self, query: str, k: int = 5) -> list[RecalledEvent]:

@@ -21,10 +21,12 @@ Workers load the model through the `EpisodicLM.loader` they are given, so they m
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -134,6 +136,21 @@ def read_shard(loader: Callable[[], Any], config: EngineConfig, path: str, shard
     """Read one shard into a new store at `directory` (what was there is removed first); runs on a worker."""
     torch.set_num_threads(threads)
     out = Path(directory)
+    with _held(out.with_name(f"{shard.index}.lock")):
+        return _read_shard(loader, config, path, shard, out, sink_ids)
+
+
+@contextmanager
+def _held(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path`, waited for: a worker of a killed driver may still be writing the shard until
+    Ray stops it, and the shard's next reader must not remove its files under it."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _read_shard(loader: Callable[[], Any], config: EngineConfig, path: str, shard: Shard, out: Path,
+                sink_ids: list[int]) -> ShardResult:
     shutil.rmtree(out, ignore_errors=True)
     lm = loader()
     progress_file = out.with_name(f"{shard.index}.progress")
@@ -206,7 +223,7 @@ def _task_result(ray: Any, ref: Any, shard: Shard, retries: int) -> ShardResult:
         raise WorkerError(f"shard {shard.index} (bytes {shard.start}-{shard.end}) failed: {err.cause!r}") from None
     except ray.exceptions.RayError as err:
         raise WorkerError(f"shard {shard.index}'s worker died {retries + 1} times ({type(err).__name__}); the "
-                          "namespace keeps its last commit, and the same ingest again reads the unfinished shards") from None
+                          "namespace keeps its last commit; the same ingest again reads unfinished shards") from None
 
 
 def _result(directory: Path) -> ShardResult | None:

@@ -19,7 +19,7 @@ CONFIG = ('{"window": {"chunk_size": 32, "n_sink": 8, "n_local": 64}, "recall": 
           '"segmentation": {"min_event": 4, "max_event": 24}, "store": {"codec": "int8", "commit_tokens": 64, '
           '"catalog_url": CATALOG}}')
 PRELUDE = f"""
-import json, random, sys, time
+import json, os, random, sys, time
 sys.path.insert(0, {str(HERE)!r})
 from conftest import tiny_pair
 from engramkv import EngineConfig, StoreLockedError
@@ -36,32 +36,37 @@ for i in range(rounds):  # this namespace's text: numbers in [low, low + 80)
     session.commit()
     print("committed", session.events, flush=True)
 if rounds < 100:
-    print("holding", flush=True)
+    print("holding", session.events, flush=True)
     sys.stdin.readline()  # the namespace stays open (and locked) until the test says so
 session.close()
 print("done", flush=True)
 """
 
 READER = PRELUDE + """
-store, url, user, low, seconds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+store, url, user, low, flag = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 _, lm = tiny_pair("llama", EngineConfig.model_validate_json(CONFIG.replace("CATALOG", json.dumps(url))))
-checks, seen, until = 0, 0, time.monotonic() + seconds
-while time.monotonic() < until:
+until = time.monotonic() + 300
+while True:  # opened once, then kept up to date by refresh
     try:
         session = lm.session(store=store, user_id=user, read_only=True)
+        break
     except Exception:  # the namespace is not created yet
         time.sleep(0.2)
-        continue
+checks, first, last_round = 0, session.events, False
+while not last_round and time.monotonic() < until:
+    last_round = os.path.exists(flag)  # the writers are done: one more round sees all they committed
+    session.refresh()
     events = session.events
+    assert session.tokens_ingested == session.memory.committed_tokens, "the window is not the last commit's"
     for hit in session.recall(" ".join(str(low + j) for j in range(0, 80, 7)), k=5):
         words = [int(w) for w in hit.text.split()]
         assert all(low <= w < low + 80 for w in words), ("another namespace's text", user, hit.text)
         assert hit.event_id < events, ("an event past the reader's view", hit.event_id, events)
         checks += 1
-    seen = max(seen, events)
-    session.close()
-    lm.close()
-print("reader", checks, seen, flush=True)
+    time.sleep(0.1)
+print("reader", checks, session.events, first, flush=True)
+session.close()
+lm.close()
 """
 
 SECOND_WRITER = PRELUDE + """
@@ -107,21 +112,28 @@ def test_writers_of_two_namespaces_and_six_readers_share_one_store(tmp_path, pg_
     _wait_for(first, "open")  # the store exists (created by one process, not raced by two)
     second = _spawn(WRITER, store, pg_url, "bob", "80", "6")
     _wait_for(second, "open")
-    readers = [_spawn(READER, store, pg_url, user, low, "25") for user, low in (("alice", "0"), ("bob", "80")) * 3]
+    flag = tmp_path / "writers-done"
+    readers = [_spawn(READER, store, pg_url, user, low, str(flag)) for user, low in (("alice", "0"), ("bob", "80")) * 3]
 
     # a second writer of a namespace is refused, and told who holds it
     rival = _spawn(SECOND_WRITER, store, pg_url, "alice")
     out, err = rival.communicate(timeout=120)
     assert out.startswith("locked:") and f"pid {first.pid}" in out, out + err
 
+    final = {user: int(_wait_for(writer, "holding").split()[1]) for user, writer in (("alice", first), ("bob", second))}
+    flag.touch()
+    seen = []
     for reader in readers:
         out, err = reader.communicate(timeout=300)
         assert reader.returncode == 0, err
-        checks, seen = map(int, out.split()[1:3])
-        assert checks > 0 and seen > 0, out
+        checks, last, opened_with = map(int, out.split()[1:4])
+        assert checks > 0 and last >= opened_with, out
+        seen.append(last)
     for writer in (first, second):
         out, err = writer.communicate("\n", timeout=300)
         assert writer.returncode == 0 and "done" in out, err
+    # each reader, opened once, saw every commit of its namespace by refreshing
+    assert seen == [final["alice"], final["bob"]] * 3
 
     # a writer killed while it holds its namespace: the server drops its connection, and the lock with it
     doomed = _spawn(WRITER, store, pg_url, "carol", "160", "1000")

@@ -22,7 +22,9 @@ from engramkv.config import IndexConfig, RecallConfig, SegmentationConfig, Store
 from engramkv.errors import (
     NamespaceError,
     ReadOnlyError,
+    SessionError,
     StoreCorruptError,
+    StoreError,
     StoreLockedError,
     StoreMismatchError,
 )
@@ -185,6 +187,32 @@ def test_a_read_only_session_keeps_its_additions_in_ram(tmp_path, cfg):
     with lm2.session(store=tmp_path) as s:
         assert s.events == events and s.tokens_ingested == 300
     lm2.close()
+
+
+def test_a_read_only_session_refreshes_to_the_writers_later_commits(tmp_path, cfg):
+    _, lm = tiny_pair("llama", cfg)
+    writer = lm.session(store=tmp_path, config=cfg)
+    writer.ingest(_text(300))
+    reader = lm.session(store=tmp_path, read_only=True, config=cfg)
+    assert reader.refresh() == 0 and reader.events == writer.events
+    before = reader.events
+    writer.ingest(_text(500, seed=3))  # commits every 100 tokens and at the end
+    assert reader.events == before  # not seen until asked
+    assert reader.refresh() == writer.events - before
+    assert (reader.events, reader.tokens_ingested) == (writer.events, writer.tokens_ingested)
+    _, fresh_lm = tiny_pair("llama", cfg)
+    fresh = fresh_lm.session(store=tmp_path, read_only=True, config=cfg)  # what a reader opened now sees
+    query = _text(12, seed=3)
+    assert [h.event_id for h in reader.recall(query, k=5)] == [h.event_id for h in fresh.recall(query, k=5)]
+    assert reader.generate(" 1 2 3", max_new_tokens=4) == fresh.generate(" 1 2 3", max_new_tokens=4)
+    with pytest.raises(StoreError, match="read-only reader"):
+        writer.refresh()
+    with pytest.raises(SessionError, match="RAM"):
+        lm.session(config=cfg).refresh()
+    for session in (reader, fresh, writer):
+        session.close()
+    lm.close()
+    fresh_lm.close()
 
 
 def test_a_flipped_byte_is_caught_by_the_checksum(tmp_path, cfg):

@@ -143,6 +143,10 @@ class PersistentMemory(EventMemory, Protocol):
         """The most recent document (the only one an interrupted ingest can resume)."""
         ...
 
+    def refresh(self) -> int:
+        """A read-only reader takes in the commits made since it opened; returns the events added."""
+        ...
+
     def documents(self) -> list[DocumentProgress]: ...
 
     def event_details(self, event_ids: Sequence[int]) -> dict[int, tuple[str | None, dt.datetime | None]]:
@@ -200,6 +204,9 @@ class _NoPersistence:
 
     def last_document(self) -> DocumentProgress | None:
         return None
+
+    def refresh(self) -> int:
+        raise SessionError("refresh reads a store's later commits; this stream lives in RAM")
 
     def documents(self) -> list[DocumentProgress]:
         return []

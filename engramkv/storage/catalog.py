@@ -10,9 +10,8 @@ SQLite by default, PostgreSQL (or any SQLAlchemy URL) by `StoreConfig.catalog_ur
                  (segment, offset, length, crc32) and in which codec
 
 The catalog is the truth after a crash: a blob is on disk (fsynced) before the row that points at
-it is committed, and anything on disk that no committed row points at is garbage to be removed.
-
-The functions below take the engine and run one short session (one transaction where they write).
+it is committed, and anything on disk that no committed row points at is garbage to be removed. The
+functions below take the engine and run one short session (one transaction where they write).
 """
 
 from __future__ import annotations
@@ -221,8 +220,7 @@ def _drops_columns(engine: Engine) -> bool:
 
 @contextmanager
 def _reading(db: Engine) -> Iterator[Session]:
-    """A session that reads. A row that cannot be decoded (a damaged SQLite page that still parses: bad UTF-8,
-    a NULL where a value must be, a malformed date) is a StoreCorruptError naming the catalog."""
+    """A reading session; a row that cannot be decoded (bad UTF-8, a misplaced NULL) is a StoreCorruptError."""
     with Session(db) as session:
         try:
             yield session
@@ -298,13 +296,15 @@ def _state(row: NamespaceRow) -> NamespaceState:
 
 
 # ---------------------------------------------------------------------- events and commits
-def load_events(db: Engine, ns_id: int) -> list[StoredEvent]:
-    """The namespace's committed events in ordinal order."""
+def load_events(db: Engine, ns_id: int, start: int = 0, stop: int | None = None) -> list[StoredEvent]:
+    """The namespace's committed events with ordinals in [start, stop), in ordinal order."""
+    within = [EventRow.namespace_id == ns_id, EventRow.ordinal >= start]
+    within += [] if stop is None else [EventRow.ordinal < stop]  # (int4 in PostgreSQL: no sentinel bound)
     with _reading(db) as session:
         rows = session.execute(
             select(EventRow.ordinal, EventRow.token_start, EventRow.token_end, EventRow.surprise_mean,
                    EventRow.surprise_max, EventRow.segment, EventRow.offset, EventRow.length, EventRow.checksum)
-            .where(EventRow.namespace_id == ns_id).order_by(EventRow.ordinal)
+            .where(*within).order_by(EventRow.ordinal)
         ).all()
     return [StoredEvent(Event(r.ordinal, r.token_start, r.token_end, r.surprise_mean, r.surprise_max),
                         BlobRef(r.segment, r.offset, r.length, r.checksum)) for r in rows]

@@ -23,14 +23,13 @@ import errno
 import io
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
 
-from engramkv.errors import ReadOnlyError, StoreCorruptError, StoreError, StoreFullError
+from engramkv.errors import NamespaceError, ReadOnlyError, StoreCorruptError, StoreError, StoreFullError
 from engramkv.memory.events import DocumentProgress, Event, TierBytes
 from engramkv.storage import catalog as cat
 from engramkv.storage.blob import BlobLayout
@@ -39,7 +38,7 @@ from engramkv.storage.durable import dir_bytes, replace_durably
 from engramkv.storage.heap import release_free_heap
 from engramkv.storage.index import LayerIndexes
 from engramkv.storage.segments import BlobRef, SegmentError, SegmentLog
-from engramkv.storage.tiers import HotTier, LRUBytes
+from engramkv.storage.tiers import HotTier, LRUBytes, Prefetcher
 
 if TYPE_CHECKING:
     from engramkv.storage.store import EventStore
@@ -71,15 +70,13 @@ class NamespaceMemory:
         self.committed_tokens, self.checkpoint_name, self.checkpoint_crc = (
             state.n_tokens, state.checkpoint, state.checkpoint_crc)
         self._columns = EventColumns()
-        for expected, stored in enumerate(cat.load_events(store.db, ns_id)):
-            _check_row(stored, expected, self._columns, self.layout, f"the catalog {cat.describe(store.db)}")
-            self._columns.append(stored.event, stored.ref)
+        _load_rows(store.db, ns_id, self.layout, self._columns)
         self.committed_events = len(self._columns)
         self._overlay: dict[int, bytes] = {}  # read-only namespaces keep new events here, never on disk
         try:
             self.segments = SegmentLog(self.dir / "segments", cfg.segment_bytes, writable=self.writable)
             if self.writable:
-                self._recover()
+                _recover(self.segments, self._columns, self.dir, self.checkpoint_name)
         except SegmentError as err:
             raise StoreCorruptError(f"namespace {self.namespace}: {err}") from err
         self.hot = HotTier(cfg.hot_bytes, device, dtype, cfg.hot_write_through and self.writable)
@@ -88,16 +85,7 @@ class NamespaceMemory:
                                          summary_layers, self.committed_events, self.representatives,
                                          self._key_summaries, self.layer_representatives)
         self._index_saved_at = self.indexes.saved_events  # what was caught up or rebuilt gets saved at a commit
-        prefetch = cfg.prefetch == "on" or (cfg.prefetch == "auto" and device.type == "cuda")
-        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="engramkv-prefetch") if prefetch else None
-        self._prefetching: Future[Any] | None = None
-
-    def _recover(self) -> None:
-        """Cut what the last committed transaction does not point at: blob tails, newer checkpoints."""
-        self.segments.truncate_to(self._columns.segment_ends())
-        for path in self.dir.glob("checkpoint-*"):
-            if path.name != self.checkpoint_name:
-                path.unlink()
+        self._prefetch = Prefetcher(cfg.prefetch == "on" or (cfg.prefetch == "auto" and device.type == "cuda"))
 
     # ------------------------------------------------------------------ EventMemory
     def __len__(self) -> int:
@@ -134,12 +122,11 @@ class NamespaceMemory:
         self._columns.append(event, ref)
         self.indexes.add(event.id, reps, summary)
         self.warm.put(event.id, blob)  # what was just sealed is what recall is likeliest to want next
-        self._await_prefetch()  # else the prefetch thread's puts would order the hot tier by timing
+        self._prefetch.wait()  # else the prefetch thread's puts would order the hot tier by timing
         self.hot.stored(event.id, keys, values)
 
     def adopt(self, events: Sequence[Event], blobs: Sequence[bytes]) -> None:
-        """Append events whose blobs a store of this codec wrote (a sharded ingest's merge), their ids and spans
-        already this namespace's; durable at the next commit, as `add`'s. Their key summaries come from the keys."""
+        """Append events (ids, spans already this namespace's) whose blobs a store of this codec wrote: a merge."""
         self._check_usable()  # a read-only namespace's segments refuse the append
         for event, blob in zip(events, blobs, strict=True):  # each must follow the last, with its span's blob size
             _check_row(cat.StoredEvent(event, BlobRef(0, 0, len(blob), 0)), len(self), self._columns, self.layout,
@@ -176,14 +163,14 @@ class NamespaceMemory:
 
     def gather(self, layer: int, event_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(Hkv, M, D) keys and values of `event_ids`, on the compute device in the model's dtype."""
-        self._await_prefetch()  # the worker fills the same caches; let it finish first
+        self._prefetch.wait()  # the worker fills the same caches; let it finish first
         if self.read_ahead:
             self._read_ahead(layer, event_ids)
         kv = self._layer_kv(layer, event_ids)
         blocks = [kv[event_id] for event_id in event_ids]
-        if self._prefetcher is not None and layer + 1 < self.layout.num_layers and event_ids:
+        if layer + 1 < self.layout.num_layers and event_ids:
             # The next layer usually recalls mostly the same events: decode them while this layer attends.
-            self._prefetching = self._prefetcher.submit(self._layer_kv, layer + 1, list(event_ids))
+            self._prefetch.submit(self._layer_kv, layer + 1, list(event_ids))
         if not blocks:
             empty = torch.empty(self.layout.kv_heads, 0, self.layout.head_dim, dtype=self.dtype, device=self.device)
             return empty, empty
@@ -191,7 +178,7 @@ class NamespaceMemory:
 
     def drop_caches(self) -> None:
         """Empty the hot and warm tiers: the next reads come from disk (or a read-only namespace's overlay)."""
-        self._await_prefetch()
+        self._prefetch.wait()
         self.hot.clear()
         self.warm.clear()
 
@@ -204,11 +191,6 @@ class NamespaceMemory:
         return TierBytes(hot=self.hot.held_bytes, warm=self.warm.bytes, disk=dir_bytes(self.dir))
 
     # ------------------------------------------------------------------ reading through the tiers
-    def _await_prefetch(self) -> None:
-        if self._prefetching is not None:
-            self._prefetching.result()
-            self._prefetching = None
-
     def _read_ahead(self, layer: int, event_ids: list[int]) -> None:
         cold = [self.blob_ref(i) for i in event_ids
                 if (i, layer) not in self.hot and i not in self.warm and i not in self._overlay]
@@ -284,7 +266,7 @@ class NamespaceMemory:
         self.committed_events, self.committed_tokens = len(self), n_tokens
         if old and old != name:
             (self.dir / old).unlink(missing_ok=True)
-        self._await_prefetch()
+        self._prefetch.wait()
         self.hot.committed()
         if len(self) - self._index_saved_at >= self.cfg.index_save_events:
             self.save_index()
@@ -301,6 +283,23 @@ class NamespaceMemory:
         name = self.checkpoint_name
         return None if name is None else _read_checkpoint(self.dir / name, self.checkpoint_crc)
 
+    def refresh(self) -> int:
+        """A read-only namespace takes in its writer's commits since it opened (events, indexes, checkpoint)."""
+        self._check_usable()
+        if self.writable or self._overlay:
+            raise StoreError(f"namespace {self.namespace}: only a read-only reader with no events of its own refreshes")
+        if (state := cat.namespace_state(self.store.db, self.ns_id)) is None:
+            raise NamespaceError(f"namespace {self.namespace} was deleted from {self.location}")
+        before = len(self)
+        _load_rows(self.store.db, self.ns_id, self.layout, self._columns, stop=state.n_events)
+        for lo in range(before, len(self), 256):  # summaries decoded a batch at a time
+            ids = list(range(lo, min(lo + 256, len(self))))
+            for event_id, summary in zip(ids, self._key_summaries(ids)):
+                self.indexes.add(event_id, self.representatives(event_id), summary)
+        self.committed_events, self.committed_tokens = len(self), state.n_tokens
+        self.checkpoint_name, self.checkpoint_crc = state.checkpoint, state.checkpoint_crc
+        return len(self) - before
+
     def last_document(self) -> DocumentProgress | None:
         """The namespace's most recent document (the only one an interrupted ingest can resume)."""
         return cat.last_document(self.store.db, self.ns_id)
@@ -310,11 +309,9 @@ class NamespaceMemory:
 
     def event_details(self, event_ids: Sequence[int]) -> dict[int, tuple[str | None, dt.datetime | None]]:
         """(document name, commit time) of committed events; uncommitted ones get the current document."""
-        details = dict(cat.event_details(self.store.db, self.ns_id, event_ids))
+        details = cat.event_details(self.store.db, self.ns_id, event_ids)
         current = self._document.name if self._document is not None else None
-        for event_id in event_ids:
-            details.setdefault(event_id, (current, None))
-        return details
+        return {event_id: details.get(event_id, (current, None)) for event_id in event_ids}
 
     def _fail(self, err: OSError) -> NoReturn:
         self.broken = str(err)
@@ -329,21 +326,37 @@ class NamespaceMemory:
     # ------------------------------------------------------------------ verification and lifecycle
     def verify(self) -> int:
         """Check every committed blob's checksum against the catalog; returns the number checked."""
-        _verify_blobs(self.segments, [self.blob_ref(e) for e in range(self.committed_events)])
+        try:
+            self.segments.verify_all([self.blob_ref(e) for e in range(self.committed_events)])
+        except SegmentError as err:
+            raise StoreCorruptError(str(err)) from err
         return self.committed_events
 
     def close(self) -> None:
         if self._closed:
             return
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True)
-            self._prefetcher = None
+        self._prefetch.close()
         if self.writable and self.broken is None and self.committed_events == len(self):
             self.save_index()
         self.segments.close()
         self.drop_caches()
         self._closed = True
         self.store._release(self.ns_id)
+
+
+def _recover(segments: SegmentLog, columns: EventColumns, directory: Path, checkpoint: str | None) -> None:
+    """Cut what the last committed transaction does not point at: blob tails, newer checkpoints."""
+    segments.truncate_to(columns.segment_ends())
+    for path in directory.glob("checkpoint-*"):
+        if path.name != checkpoint:
+            path.unlink()
+
+
+def _load_rows(db: Any, ns_id: int, layout: BlobLayout, columns: EventColumns, stop: int | None = None) -> None:
+    """Append the namespace's catalog rows from the first `columns` lacks (to `stop`), each checked (`_check_row`)."""
+    for stored in cat.load_events(db, ns_id, len(columns), stop):
+        _check_row(stored, len(columns), columns, layout, f"the catalog {cat.describe(db)}")
+        columns.append(stored.event, stored.ref)
 
 
 def _check_row(stored: cat.StoredEvent, expected: int, before: EventColumns, layout: BlobLayout, where: str) -> None:
@@ -367,16 +380,6 @@ def _write_error(err: OSError, where: Path, committed_tokens: int) -> StoreError
         return StoreFullError(f"the disk under {where} is full; the store keeps everything up to its last commit "
                               f"({committed_tokens} tokens). Free space and run the same ingest again to resume.")
     return StoreError(f"writing to {where} failed: {err}; the store keeps its last commit")
-
-
-def _verify_blobs(segments: SegmentLog, refs: Sequence[BlobRef]) -> None:
-    for event_id, ref in enumerate(refs):
-        try:
-            ok = segments.verify(ref)
-        except SegmentError as err:
-            raise StoreCorruptError(f"event {event_id}: {err}") from err
-        if not ok:
-            raise StoreCorruptError(f"event {event_id}: checksum mismatch")
 
 
 def _read_checkpoint(path: Path, crc: int | None) -> dict[str, Any]:

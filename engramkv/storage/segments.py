@@ -15,7 +15,7 @@ import re
 import struct
 import weakref
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -191,6 +191,16 @@ class SegmentLog:
     def verify(self, ref: BlobRef) -> bool:
         """True if the payload's crc32 matches the reference; SegmentError if it cannot be read at all."""
         return zlib.crc32(self.read(ref)) == ref.checksum
+
+    def verify_all(self, refs: Sequence[BlobRef]) -> None:
+        """SegmentError naming the first of `refs` (event i: the i-th) that cannot be read or fails its crc32."""
+        for i, ref in enumerate(refs):
+            try:
+                ok = self.verify(ref)
+            except SegmentError as err:
+                raise SegmentError(f"event {i}: {err}") from err
+            if not ok:
+                raise SegmentError(f"event {i}: checksum mismatch")
 
     def truncate_to(self, committed_ends: dict[int, int]) -> int:
         """Recovery: cut every byte past the committed ends and return how many bytes went.

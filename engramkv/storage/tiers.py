@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -118,3 +119,26 @@ class HotTier(LRUBytes[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]):
         with self._lock:
             self._exact.clear()
             self.exact_bytes = 0
+
+
+class Prefetcher:
+    """One background thread that decodes the next layer's recalled blocks while this layer attends (on CUDA),
+    or, off, nothing. `wait` before anything else touches the tiers it fills, so their order is not timing's."""
+
+    def __init__(self, on: bool):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engramkv-prefetch") if on else None
+        self._running: Future[Any] | None = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self._pool is not None:
+            self._running = self._pool.submit(fn, *args)
+
+    def wait(self) -> None:
+        if self._running is not None:
+            self._running.result()
+            self._running = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
