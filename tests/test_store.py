@@ -348,7 +348,7 @@ def test_prefetching_the_next_layer_changes_nothing(tmp_path):
         with lm.session(store=tmp_path / prefetch) as s:
             s.ingest(_text(700))
             answers.append(s.generate_ids([1, 2, 3], max_new_tokens=10))
-            assert (s.memory._prefetcher is not None) == (prefetch == "on")
+            assert s.memory._prefetch.on == (prefetch == "on")
         lm.close()
     assert answers[0] == answers[1]
 

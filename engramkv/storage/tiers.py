@@ -129,6 +129,10 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engramkv-prefetch") if on else None
         self._running: Future[Any] | None = None
 
+    @property
+    def on(self) -> bool:
+        return self._pool is not None
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._pool is not None:
             self._running = self._pool.submit(fn, *args)
