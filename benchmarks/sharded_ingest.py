@@ -73,6 +73,8 @@ def one_sample(lm: EpisodicLM, task: str, length: int, seed: int, workers: int, 
         row[kind] = {"tokens": report.tokens, "events": report.events_sealed, "seconds": round(seconds, 1),
                      "tokens_per_s": round(report.tokens / seconds, 1)}
         if kind == "sharded":
+            if "read" not in PHASES:
+                raise SystemExit(f"{task} {seed}: the document was not cut into shards (too short for --workers)")
             row[kind].update({f"{phase}_s": round(PHASES.pop(phase, 0.0), 1) for phase in ("read", "merge")})
         for path, chat in (("prompt", False), ("chat", True)):
             with RssSampler() as rss:

@@ -63,14 +63,14 @@ class ShardResult:
 
 
 def plan_shards(path: Path, size: int, workers: int, min_bytes: int) -> list[Shard]:
-    """At most `workers` byte ranges of about size / workers, each at least `min_bytes` long, cut after a
-    paragraph break near each target."""
+    """At most `workers` byte ranges of about size / workers (so about `min_bytes` or more each: fewer ranges
+    for a short file), each cut right after the first paragraph break at or past its target."""
     count = max(1, min(workers, size // min_bytes))
     cuts = [0]
     with open(path, "rb") as f:
         for i in range(1, count):
             cut = _break_after(f, i * size // count, size)
-            if cuts[-1] + min_bytes <= cut <= size - min_bytes:
+            if cuts[-1] < cut < size:
                 cuts.append(cut)
     cuts.append(size)
     return [Shard(i, a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]

@@ -68,6 +68,7 @@ def test_plan_cuts_after_paragraphs_and_covers_the_file(tmp_path):
     for a, b in zip(shards, shards[1:]):
         assert a.end == b.start and data[b.start - 2 : b.start] == b"\n\n"
     assert all(s.end - s.start >= 1024 for s in shards)
+    assert len(plan_shards(doc, len(data), 2, len(data) // 2)) == 2  # a file of exactly two shards' worth
     assert len(plan_shards(doc, len(data), 4, len(data))) == 1  # too short to cut: one shard
 
 
