@@ -357,8 +357,8 @@ class ShardConfig(_Strict):
                                            "None: this machine's cores / workers.")
     max_retries: int = Field(default=2, ge=0, description="Times a shard whose worker died is read again from its "
                              "start (its partial output discarded).")
-    min_shard_bytes: int = Field(default=64 * 1024, ge=1024, description="Fewer shards for a short document: each "
-                                 "holds at least this many bytes (a shard starts with a cold local window).")
+    min_shard_bytes: int = Field(default=32 * 1024, ge=1024, description="Fewer shards for a short document: about "
+                                 "this many bytes each at least (~8k tokens of English; a shard starts cold).")
 
 
 class EngineConfig(_Strict):
