@@ -132,12 +132,13 @@ def worker_config(config: EngineConfig, store_path: Path) -> EngineConfig:
 
 
 def read_shard(loader: Callable[[], Any], config: EngineConfig, path: str, shard: Shard, directory: str,
-               sink_ids: list[int], threads: int) -> ShardResult:
-    """Read one shard into a new store at `directory` (what was there is removed first); runs on a worker."""
+               sink_ids: list[int], threads: int, last: bool) -> ShardResult:
+    """Read one shard into a new store at `directory` (what was there is removed first); runs on a worker. All
+    but the `last` shard seal their local window at the end (the merge keeps only the last shard's)."""
     torch.set_num_threads(threads)
     out = Path(directory)
     with _held(out.with_name(f"{shard.index}.lock")):
-        return _read_shard(loader, config, path, shard, out, sink_ids)
+        return _read_shard(loader, config, path, shard, out, sink_ids, last)
 
 
 @contextmanager
@@ -150,7 +151,7 @@ def _held(path: Path) -> Iterator[None]:
 
 
 def _read_shard(loader: Callable[[], Any], config: EngineConfig, path: str, shard: Shard, out: Path,
-                sink_ids: list[int]) -> ShardResult:
+                sink_ids: list[int], last: bool) -> ShardResult:
     shutil.rmtree(out, ignore_errors=True)
     lm = loader()
     progress_file = out.with_name(f"{shard.index}.progress")
@@ -173,6 +174,9 @@ def _read_shard(loader: Callable[[], Any], config: EngineConfig, path: str, shar
                 session.ingest(texts(), progress=report)
             except EmptyInputError:  # whitespace alone: the shard adds no tokens
                 pass
+            if not last:  # the next shard reads on without this window: its tokens must be events
+                session.state.seal_rest()
+                session.commit()
             result = ShardResult(shard.index, session.tokens_ingested - len(sink_ids), len(sink_ids), session.events)
     finally:
         lm.close()
@@ -199,7 +203,7 @@ def run_shards(loader: Callable[[], Any], config: EngineConfig, document: Checke
         task = ray.remote(read_shard).options(num_cpus=threads, max_retries=cfg.max_retries, retry_exceptions=False,
                                               num_gpus=1 if config.model.device.startswith("cuda") else 0)
         pending = {task.remote(loader, config, str(document.path), s, str(root / str(s.index)),
-                               sink_ids if s.index else [], threads): s for s in todo}
+                               sink_ids if s.index else [], threads, s.index == len(shards) - 1): s for s in todo}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
             for ref in ready:
@@ -257,7 +261,30 @@ def document_sinks(tokenizer: Any, document: CheckedDocument, n_sink: int) -> li
 
 def merge_shards(memory: NamespaceMemory, config: EngineConfig, document: CheckedDocument, root: Path,
                  results: list[ShardResult], progress: Callable[[IngestProgress], None] | None) -> DocumentProgress:
-    """Append every shard's events to `memory` in document order, then commit once with the last shard's window."""
+    """Append every shard's events to `memory` in document order, then commit once with the last shard's window.
+    A merge stopped half-way leaves the namespace broken until it is opened again (which trims what it appended)."""
+    try:
+        snapshot, position = _adopt_shards(memory, config, document, root, results, progress)
+        done = DocumentProgress(name=str(document.path.resolve()), size_bytes=document.size_bytes,
+                                content_key=document.content_key, token_start=0, bytes_done=document.size_bytes,
+                                token_end=position, complete=True)
+        memory.commit(snapshot, done)
+    except BaseException as err:
+        if memory.broken is None and len(memory) > memory.committed_events:
+            memory.broken = f"a sharded ingest's merge stopped half-way ({type(err).__name__})"
+        raise
+    shutil.rmtree(root, ignore_errors=True)
+    try:
+        root.parent.rmdir()  # STORE/shards, once no other document's shards wait there
+    except OSError:
+        pass
+    return done
+
+
+def _adopt_shards(memory: NamespaceMemory, config: EngineConfig, document: CheckedDocument, root: Path,
+                  results: list[ShardResult], progress: Callable[[IngestProgress], None] | None
+                  ) -> tuple[dict[str, Any], int]:
+    """(the last shard's checkpoint moved to the end of the merged stream, the merged stream's tokens)."""
     shard_cfg = worker_config(config, memory.store.path).store
     snapshot = None
     position = 0  # where the next shard's text starts in the merged stream
@@ -285,16 +312,7 @@ def merge_shards(memory: NamespaceMemory, config: EngineConfig, document: Checke
                                     size_bytes=document.size_bytes))
     if snapshot is None:
         raise EmptyInputError(f"{document.path} holds no tokens")
-    done = DocumentProgress(name=str(document.path.resolve()), size_bytes=document.size_bytes,
-                            content_key=document.content_key, token_start=0, bytes_done=document.size_bytes,
-                            token_end=position, complete=True)
-    memory.commit(snapshot, done)
-    shutil.rmtree(root, ignore_errors=True)
-    try:
-        root.parent.rmdir()  # STORE/shards, once no other document's shards wait there
-    except OSError:
-        pass
-    return done
+    return snapshot, position
 
 
 def _moved(event: Event, tokens: int, events: int) -> Event:

@@ -103,11 +103,12 @@ def test_sharded_ingest_merges_the_shards_in_document_order(tmp_path, ray_path):
         assert report.tokens == len(stream) == session.tokens_ingested
         memory = session.memory
         assert [memory.event(i).id for i in range(len(memory))] == list(range(len(memory)))
-        for i in range(len(memory)):  # every event holds the merged stream's tokens at its span
+        for i in range(len(memory)):  # every event holds the merged stream's tokens at its span, gap-free
             event = memory.event(i)
             assert memory.tokens(i) == stream[event.start : event.end]
-            assert i == 0 or memory.event(i - 1).end <= event.start
+            assert event.start == (memory.event(i - 1).end if i else cfg.window.n_sink)
         snapshot = memory.load_checkpoint()["engine"]
+        assert memory.event(len(memory) - 1).end == snapshot["local_start"]  # then the window: no token lost
         assert snapshot["sink_tokens"].tolist() == stream[: cfg.window.n_sink]
         assert snapshot["tail_tokens"].tolist() == stream[snapshot["local_start"] :]
         assert seen and seen[-1].tokens == len(stream)

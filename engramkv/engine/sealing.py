@@ -93,6 +93,13 @@ class Stream:
             end = self._refined_end(layers, self.local_start)
             self._seal_event(layers, memory, end)
 
+    def seal_rest(self, layers: Sequence[LayerState], memory: EventMemory) -> None:
+        """Seal the local window too, at the boundaries found so far and at the stream's end: what a shard of a
+        sharded ingest does last, since the shard after it reads on without this window."""
+        while self.local_start < self.n_tokens:
+            end = self._refined_end(layers, self.local_start) if self.boundaries else self.n_tokens
+            self._seal_event(layers, memory, end)
+
     def _refined_end(self, layers: Sequence[LayerState], start: int) -> int:
         seg, ref = self.cfg.segmentation, self.cfg.refinement
         end = self.boundaries.pop(0)

@@ -304,6 +304,10 @@ class EpisodicState:
             st.buffer.extend(saved["buffer"])
         self.forget_recalled()
 
+    def seal_rest(self) -> None:
+        """Seal the tokens still in the local window into events (`Stream.seal_rest`)."""
+        self.stream.seal_rest(self.layers, self.memory)
+
     def forget_recalled(self) -> None:
         """Drop each layer's last recalled KV, so the next step gathers it again: what a stream restored from
         a checkpoint starts with, and what a commit must leave behind too (the store's hot tier may have
