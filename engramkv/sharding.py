@@ -66,6 +66,8 @@ def plan_shards(path: Path, size: int, workers: int, min_bytes: int) -> list[Sha
     """At most `workers` byte ranges of about size / workers (so about `min_bytes` or more each: fewer ranges
     for a short file), each cut right after the first paragraph break at or past its target."""
     count = max(1, min(workers, size // min_bytes))
+    if count == 1:  # (ingest_file asks every time: one shard needs no look at the file)
+        return [Shard(0, 0, size)]
     cuts = [0]
     with open(path, "rb") as f:
         for i in range(1, count):
@@ -162,9 +164,11 @@ def _read_shard(loader: Callable[[], Any], config: EngineConfig, path: str, shar
             fed[0] += n_bytes
             yield text
 
-    def report(record: IngestProgress) -> None:
-        replace_durably(progress_file, json.dumps({"pid": os.getpid(), "tokens": record.tokens - len(sink_ids),
-                                                   "events": record.events, "bytes": fed[0]}).encode())
+    def report(record: IngestProgress) -> None:  # after every chunk: renamed whole, not fsynced (a hint, not state)
+        tmp = progress_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "tokens": record.tokens - len(sink_ids),
+                                   "events": record.events, "bytes": fed[0]}))
+        os.replace(tmp, progress_file)
 
     try:
         with lm.session(config=config, store=out) as session:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "benchmarks" / "results" / "crash"
 sys.path.insert(0, str(HERE))
 
 WORKER_CONFIG: dict[str, Any] = {
@@ -292,14 +293,10 @@ def main() -> None:
     started = time.perf_counter()
     if args.sharded:
         return write_sharded(sharded_harness(workdir, args.kills, args.paragraphs), started, args)
-    result = harness(workdir, args.kills, args.tokens)
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
-    result.update(commit=commit or None, config=WORKER_CONFIG,
-                  command=f"python tests/crash_harness.py --kills {args.kills} --tokens {args.tokens}")
-    out = HERE.parent / "benchmarks" / "results" / "crash"
-    (out / "crash.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "crash.md").write_text(
+    result = _recorded(harness(workdir, args.kills, args.tokens), started, WORKER_CONFIG,
+                       f"python tests/crash_harness.py --kills {args.kills} --tokens {args.tokens}")
+    (RESULTS / "crash.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / "crash.md").write_text(
         f"# Crash safety (SIGKILL during ingest)\n\n{result['kills']} kill points at random times; after each the "
         f"store opened, every checksum verified, segments matched the catalog and the checkpoint loaded. "
         f"{result['runs_completed_and_compared']} resumed runs finished and matched the uninterrupted run's "
@@ -312,15 +309,19 @@ def main() -> None:
 
 
 
-def write_sharded(result: dict[str, Any], started: float, args: argparse.Namespace) -> None:
-    result["seconds"] = round(time.perf_counter() - started, 1)
+def _recorded(result: dict[str, Any], started: float, config: dict[str, Any], command: str) -> dict[str, Any]:
+    """`result` with what a result file records: its run time, the commit, the config and the command."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
-    result.update(commit=commit or None, config=SHARDED_CONFIG,
-                  command=f"python tests/crash_harness.py --sharded --kills {args.kills} --paragraphs {args.paragraphs}")
-    out = HERE.parent / "benchmarks" / "results" / "crash"
-    (out / "sharded.json").write_text(json.dumps(result, indent=2) + "\n")
+    return {**result, "seconds": round(time.perf_counter() - started, 1), "commit": commit or None, "config": config,
+            "command": command}
+
+
+def write_sharded(result: dict[str, Any], started: float, args: argparse.Namespace) -> None:
+    result = _recorded(result, started, SHARDED_CONFIG,
+                       f"python tests/crash_harness.py --sharded --kills {args.kills} --paragraphs {args.paragraphs}")
+    (RESULTS / "sharded.json").write_text(json.dumps(result, indent=2) + "\n")
     rows = "\n".join(f"| {kind} | {what} | {n} |" for kind, seen in result["outcomes"].items() for what, n in seen.items())
-    (out / "sharded.md").write_text(
+    (RESULTS / "sharded.md").write_text(
         f"# Crash safety of a sharded ingest (SIGKILL of a Ray worker or of the driver)\n\n{result['kills']} kills of "
         f"a 2-shard ingest ({result['paragraphs']} paragraphs, {result['reference_events']} events, the tiny random "
         "Llama), in turn: a worker mid-shard, the driver while the shards were read, the driver during the merge. "

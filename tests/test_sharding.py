@@ -53,6 +53,13 @@ def _events(session) -> list[tuple[int, int, int]]:
     return [(memory.event(i).start, memory.event(i).end, zlib.crc32(memory.blob(i))) for i in range(len(memory))]
 
 
+def _uninterrupted(store: Path, doc: Path, cfg: EngineConfig) -> list[tuple[int, int, int]]:
+    """The events of a sharded ingest (2 workers) that nothing interrupts: what a killed one must end with."""
+    with tiny_lm("llama", cfg).session(store=store) as clean:
+        clean.ingest_file(doc, workers=2)
+        return _events(clean)
+
+
 @pytest.fixture
 def ray_path(monkeypatch):
     """Ray workers import conftest (the tiny model's loader) from tests/."""
@@ -129,9 +136,7 @@ def test_sharded_ingest_merges_the_shards_in_document_order(tmp_path, ray_path):
 def test_a_worker_killed_mid_shard_is_read_again_with_the_same_events(tmp_path, ray_path):
     doc = _document(tmp_path / "doc.txt", paragraphs=80)
     cfg = _config()
-    with tiny_lm("llama", cfg).session(store=tmp_path / "clean") as clean:
-        clean.ingest_file(doc, workers=2)
-        expected = _events(clean)
+    expected = _uninterrupted(tmp_path / "clean", doc, cfg)
     root = tmp_path / "store" / "shards" / f"{check_document(doc).content_key[:16]}-2"
     killed: list[int] = []
 
@@ -162,9 +167,7 @@ def test_a_worker_killed_mid_shard_is_read_again_with_the_same_events(tmp_path, 
 def test_the_driver_killed_mid_merge_leaves_the_old_namespace_or_the_whole_new_one(tmp_path, ray_path):
     doc = _document(tmp_path / "doc.txt", paragraphs=80)
     cfg = _config()
-    with tiny_lm("llama", cfg).session(store=tmp_path / "clean") as clean:
-        clean.ingest_file(doc, workers=2)
-        expected = _events(clean)
+    expected = _uninterrupted(tmp_path / "clean", doc, cfg)
     store = tmp_path / "store"
     root = store / "shards" / f"{check_document(doc).content_key[:16]}-2"
     command = [sys.executable, str(HERE / "crash_harness.py"), "--sharded-worker", str(store), str(doc)]
