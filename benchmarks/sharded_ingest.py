@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import RESULTS, write_results
+from _common import RESULTS, code_state, write_results
 from evalkit.systems import RssSampler, _engram_answer
 
 from engramkv import EngineConfig, EpisodicLM, sharding
@@ -62,7 +62,8 @@ def one_sample(lm: EpisodicLM, task: str, length: int, seed: int, workers: int, 
     sample = TASKS[task](lm.tokenizer, length, seed)
     doc = workdir / f"{task}-{seed}.txt"
     doc.write_text("".join(sample.context))
-    row: dict[str, Any] = {"task": task, "length": length, "seed": seed, "answers": sample.answers}
+    row: dict[str, Any] = {"task": task, "length": length, "seed": seed, "answers": sample.answers,
+                           **code_state()}  # per sample: a --resume'd file holds runs of several commits
     for kind, n_workers in (("sequential", 1), ("sharded", workers)):
         store = workdir / f"{kind}-{task}-{seed}"
         torch.set_num_threads(threads)
@@ -98,8 +99,8 @@ def table(rows: list[dict[str, Any]], workers: int, threads: int) -> str:
              "Throughput: tokens/s of the whole `ingest_file` call, sharded / sequential, the same run; the sharded "
              "call's seconds split into the workers' reading (Ray's start and the model loads included) and the merge.",
              "", "| task | length | seed | events seq / sharded (ratio) | tok/s seq / sharded (ratio) | read s / merge s "
-             "| prompt reply seq / sharded | chat reply seq / sharded | same replies |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| prompt reply seq / sharded | chat reply seq / sharded | same replies | commit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, h = r["sequential"], r["sharded"]
         lines.append(
@@ -108,7 +109,8 @@ def table(rows: list[dict[str, Any]], workers: int, threads: int) -> str:
             f"| {h.get('read_s', 0):.0f} / {h.get('merge_s', 0):.1f} "
             f"| {s['prompt']['reply'][:24]!r} {s['prompt']['score']:.0f} / {h['prompt']['reply'][:24]!r} "
             f"{h['prompt']['score']:.0f} | {s['chat']['reply'][:24]!r} {s['chat']['score']:.0f} / "
-            f"{h['chat']['reply'][:24]!r} {h['chat']['score']:.0f} | {'yes' if r['same_replies'] else 'no'} |")
+            f"{h['chat']['reply'][:24]!r} {h['chat']['score']:.0f} | {'yes' if r['same_replies'] else 'no'} "
+            f"| {(r.get('commit') or '?')[:7]}{'+' if r.get('dirty') else ''} |")
     if rows:
         ratios = sorted(r["throughput_ratio"] for r in rows)
         lines += ["", f"{len(rows)} samples; throughput ratio median {ratios[len(ratios) // 2]:.2f}x "
