@@ -70,7 +70,8 @@ class LayerIndexes:
         if cfg.rank is not None and cfg.rank >= dim:
             raise ConfigError(f"index.rank {cfg.rank} must be below the representatives' width {dim}")
         self.num_layers, self.dim, self.cfg = num_layers, dim, cfg
-        self.summaries_of = summaries_of  # for re-scoring low-rank hits
+        self.representatives_of = representatives_of  # for catching up from the blobs
+        self.summaries_of = summaries_of  # for catching up, and re-scoring low-rank hits
         self.layer_representatives_of = layer_representatives_of or (None if representatives_of is None else (
             lambda ids, layer: np.stack([representatives_of(event_id)[layer] for event_id in ids])))
         self.summary_layers = summary_layers
@@ -108,6 +109,13 @@ class LayerIndexes:
             self._to_projected()
         elif self.kind == "flat" and self.cfg.rank is None and len(self) >= self.cfg.ivf_min_events:
             self._to_ivf()
+
+    def catch_up(self, end: int) -> None:
+        """Index events len(self)..end-1 from their blobs (their summaries decoded 256 events at a time)."""
+        assert self.representatives_of is not None and self.summaries_of is not None
+        for ids in _batches(len(self), end):
+            for event_id, summary in zip(ids, self.summaries_of(ids)):
+                self.add(event_id, self.representatives_of(event_id), summary)
 
     def _add_projected(self, event_id: int, representatives: np.ndarray, summary: np.ndarray) -> None:
         assert self.projection is not None and self.summary_projection is not None
@@ -227,7 +235,7 @@ class LayerIndexes:
                 checksums[name] = _crc32(directory / name)
         for name, index in [*named, ("summary.faiss", self.summary)]:
             # Streamed to the file: serialising in memory held two copies of the index at every save.
-            replace_durably_with(directory / name, _writer(index))
+            replace_durably_with(directory / name, lambda path: faiss.write_index(index, str(path)))
             checksums[name] = _crc32(directory / name)
         body = {"events": len(self), "kind": self.kind, "layers": self.num_layers,
                 "summary_layers": self.summary_layers,
@@ -258,9 +266,7 @@ class LayerIndexes:
             loaded, start = LayerIndexes._load(directory, empty(), committed_events, summaries_of)
         except _Damaged:
             loaded, start = empty(), 0
-        for ids in _batches(start, committed_events):  # catch up from the blobs
-            for event_id, summary in zip(ids, summaries_of(ids)):
-                loaded.add(event_id, representatives_of(event_id), summary)
+        loaded.catch_up(committed_events)
         if loaded.kind == "flat" and cfg.rank is not None and len(loaded) >= cfg.project_min_events:
             loaded._to_projected()
         return loaded
@@ -375,13 +381,6 @@ def _flat_of(ids: np.ndarray, vectors: np.ndarray) -> faiss.Index:
     flat = _flat(vectors.shape[1])
     flat.add_with_ids(vectors, ids)
     return flat
-
-
-def _writer(index: faiss.Index) -> Callable[[Path], None]:
-    def write(path: Path) -> None:
-        faiss.write_index(index, str(path))
-
-    return write
 
 
 def _flat(dim: int) -> faiss.Index:

@@ -292,10 +292,7 @@ class NamespaceMemory:
             raise NamespaceError(f"namespace {self.namespace} was deleted from {self.location}")
         before = len(self)
         _load_rows(self.store.db, self.ns_id, self.layout, self._columns, stop=state.n_events)
-        for lo in range(before, len(self), 256):  # summaries decoded a batch at a time
-            ids = list(range(lo, min(lo + 256, len(self))))
-            for event_id, summary in zip(ids, self._key_summaries(ids)):
-                self.indexes.add(event_id, self.representatives(event_id), summary)
+        self.indexes.catch_up(len(self))
         self.committed_events, self.committed_tokens = len(self), state.n_tokens
         self.checkpoint_name, self.checkpoint_crc = state.checkpoint, state.checkpoint_crc
         return len(self) - before
