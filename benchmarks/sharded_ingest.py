@@ -33,6 +33,8 @@ from _common import RESULTS, code_state, write_results
 from evalkit.systems import RssSampler, _engram_answer
 
 from engramkv import EngineConfig, EpisodicLM, sharding
+from engramkv.memory.summary import summary_layer_ids
+from engramkv.storage.store import EventStore
 from engramkv.tasks import TASKS
 
 OUT = RESULTS / "sharded"
@@ -57,22 +59,38 @@ sharding.run_shards = _timed("read", sharding.run_shards)
 sharding.merge_shards = _timed("merge", sharding.merge_shards)
 
 
+def event_density(lm: EpisodicLM, store: Path, bucket: int = 2048) -> list[int]:
+    """Events of the store's default namespace by the bucket of tokens their span starts in."""
+    layers = summary_layer_ids(lm.spec.num_layers, lm.config.recall.summary_layers)
+    with EventStore(store, lm.spec, lm.config.store, read_only=True) as opened:
+        memory = opened.namespace(summary_layers=layers)
+        starts = [memory.event(i).start for i in range(len(memory))]
+        memory.close()
+    counts = [0] * (max(starts, default=0) // bucket + 1)
+    for start in starts:
+        counts[start // bucket] += 1
+    return counts
+
+
 def one_sample(lm: EpisodicLM, task: str, length: int, seed: int, workers: int, threads: int,
-               workdir: Path) -> dict[str, Any]:
+               workdir: Path, no_write_through: bool) -> dict[str, Any]:
     sample = TASKS[task](lm.tokenizer, length, seed)
     doc = workdir / f"{task}-{seed}.txt"
     doc.write_text("".join(sample.context))
     row: dict[str, Any] = {"task": task, "length": length, "seed": seed, "answers": sample.answers,
                            **code_state()}  # per sample: a --resume'd file holds runs of several commits
-    for kind, n_workers in (("sequential", 1), ("sharded", workers)):
+    kinds = [("sequential", 1), ("sharded", workers)] + [("sequential_no_write_through", 1)] * no_write_through
+    for kind, n_workers in kinds:
         store = workdir / f"{kind}-{task}-{seed}"
         torch.set_num_threads(threads)
+        config = lm.config.model_copy(update={"store": lm.config.store.model_copy(
+            update={"hot_write_through": kind != "sequential_no_write_through"})})
         started = time.perf_counter()
-        with lm.session(store=store) as session:
+        with lm.session(store=store, config=config) as session:
             report = session.ingest_file(doc, workers=n_workers)
         seconds = time.perf_counter() - started
         row[kind] = {"tokens": report.tokens, "events": report.events_sealed, "seconds": round(seconds, 1),
-                     "tokens_per_s": round(report.tokens / seconds, 1)}
+                     "tokens_per_s": round(report.tokens / seconds, 1), "events_per_2k_tokens": event_density(lm, store)}
         if kind == "sharded":
             if "read" not in PHASES:
                 raise SystemExit(f"{task} {seed}: the document was not cut into shards (too short for --workers)")
@@ -80,7 +98,7 @@ def one_sample(lm: EpisodicLM, task: str, length: int, seed: int, workers: int, 
         for path, chat in (("prompt", False), ("chat", True)):
             with RssSampler() as rss:
                 run = _engram_answer(lm, sample,  # it reads lm.tokenizer alone
-                                      lm.session(store=store), seconds, rss, chat_path=chat)
+                                      lm.session(store=store, config=config), seconds, rss, chat_path=chat)
             row[kind][path] = {"reply": run.reply, "score": sample.score(run.reply)}
         lm.close()  # the store's lock: the next kind's store is another directory, but keep one open at a time
         shutil.rmtree(store, ignore_errors=True)
@@ -133,6 +151,9 @@ def main() -> None:
                         "among the workers of the sharded one")
     parser.add_argument("--name", default="sharded_ingest")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--no-write-through", action="store_true", help="also ingest sequentially with "
+                        "store.hot_write_through off (every read of memory through the codec): how far the event count "
+                        "moves when only the codec's rounding reaches the reading")
     args = parser.parse_args()
     config = EngineConfig.model_validate({"shards": {"threads_per_worker": max(1, args.threads // args.workers)}})
     lm = EpisodicLM.from_pretrained(config=config)
@@ -145,7 +166,8 @@ def main() -> None:
             for seed in args.seeds:
                 if (task, seed) in done:
                     continue
-                rows.append(one_sample(lm, task, args.length, seed, args.workers, args.threads, workdir))
+                rows.append(one_sample(lm, task, args.length, seed, args.workers, args.threads, workdir,
+                                        args.no_write_through))
                 write_results(OUT, args.name, {"samples": rows}, table(rows, args.workers, args.threads), config)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
