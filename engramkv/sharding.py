@@ -27,7 +27,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +36,16 @@ import torch
 from engramkv.config import EngineConfig
 from engramkv.documents import CheckedDocument, read_text, tokenize_pieces
 from engramkv.engine.state import shifted_snapshot
-from engramkv.errors import EmptyInputError, EngramError, SessionError, StoreMismatchError, WorkerError
+from engramkv.errors import (EmptyInputError, EngramError, SessionError, StoreCorruptError, StoreError,
+                             StoreMismatchError, WorkerError)
 from engramkv.memory.events import DocumentProgress, Event, PersistentMemory
 from engramkv.results import IngestProgress
 from engramkv.storage.durable import replace_durably
 from engramkv.storage.namespace import NamespaceMemory
+from engramkv.storage.segments import SegmentError
 from engramkv.storage.store import BASES_FILE, EventStore
 
-MERGE_BATCH = 256  # events adopted at once: their key summaries are decoded together
+MERGE_BATCH = 256  # events indexed at once: their key summaries are decoded together
 _SCAN = 1 << 16  # bytes searched after a cut's target for a paragraph break
 
 
@@ -300,10 +302,24 @@ def _adopt_shards(memory: NamespaceMemory, config: EngineConfig, document: Check
                                          f"holds {memory.codec}; remove {root} and ingest again")
             shard = store.namespace(summary_layers=memory.summary_layers)
             shift, first_event = position - result.sinks, len(memory)
+            files = shard.segments.segment_files()
+            try:  # the shard's blobs stay where they are: its files become the namespace's next segments
+                numbers = dict(zip(files, memory.segments.adopt(list(files.values()))))
+            except OSError as err:
+                raise StoreError(f"the shards' segments could not be moved into {memory.dir}: {err}") from err
             for lo in range(0, len(shard), MERGE_BATCH):
                 ids = range(lo, min(lo + MERGE_BATCH, len(shard)))
+                refs = [shard.blob_ref(i) for i in ids]
+                try:
+                    blobs = [shard.segments.read(ref, verify=True) for ref in refs]  # views into the shard's maps
+                except SegmentError as err:
+                    raise StoreCorruptError(f"shard {result.index} in {root} is damaged ({err}): remove the "
+                                            "directory and ingest again") from err
                 events = [_moved(shard.event(i), shift, first_event) for i in ids]
-                memory.adopt(events, [shard.blob(i) for i in ids])
+                summaries = memory.layout.key_summaries(blobs, [e.length for e in events], memory.summary_layers)
+                memory.adopt(events, [replace(ref, segment=numbers[ref.segment]) for ref in refs],
+                             [memory.layout.representatives(b, e.length) for b, e in zip(blobs, events)], summaries)
+                del blobs  # the views pin the shard's maps, which close with it
             checkpoint = shard.load_checkpoint()
             snapshot = None if checkpoint is None else {
                 **checkpoint, "engine": shifted_snapshot(checkpoint["engine"], shift, first_event)}

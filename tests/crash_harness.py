@@ -207,13 +207,14 @@ def check_store(store: Path) -> dict[str, int]:
     from conftest import tiny_pair
 
     from engramkv import EngineConfig
+    from engramkv.storage.segments import scan
 
     _, lm = tiny_pair("llama", EngineConfig.model_validate(WORKER_CONFIG))
     event_store = lm.open_store(store)
     ns = event_store.namespace(summary_layers=[0])
     verified = ns.verify()
     committed = [ns.blob_ref(i) for i in range(len(ns))]
-    on_disk = [ref for seg in sorted({r.segment for r in committed}) for ref in ns.segments.scan(seg)]
+    on_disk = [ref for seg in sorted({r.segment for r in committed}) for ref in scan(ns.segments.directory, seg)]
     files = sorted(p.name for p in (ns.dir / "segments").glob("*.seg"))
     assert on_disk == committed, "segment files and catalog disagree"
     assert len(files) == len({r.segment for r in committed}) or not committed, files

@@ -8,7 +8,7 @@ import torch
 
 from engramkv.errors import ReadOnlyError, StoreError
 from engramkv.memory.events import DocumentProgress, Event, EventMemory, TierBytes
-from engramkv.storage.segments import BlobRef
+from engramkv.storage.segments import BlobRef, scan
 
 from tiny_store import SPEC, SUMMARY_LAYERS, add_events, open_namespace, open_store, snapshot
 
@@ -116,7 +116,7 @@ def test_blob_refs_point_at_the_segment_records(tmp_path):
         memory = open_namespace(store)
         add_events(memory, 3)
         refs = [memory.blob_ref(i) for i in range(3)]
-        assert all(isinstance(r, BlobRef) for r in refs) and refs == list(memory.segments.scan(1))
+        assert all(isinstance(r, BlobRef) for r in refs) and refs == list(scan(memory.segments.directory, 1))
         assert memory.kv_bytes == sum(r.length for r in refs)
         memory.close()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engramkv.storage.segments import HEADER_SIZE, BlobRef, ChecksumMismatch, SegmentError, SegmentLog
+from engramkv.storage.segments import HEADER_SIZE, BlobRef, ChecksumMismatch, SegmentError, SegmentLog, scan
 
 RECORD = 12  # record header: u64 length + u32 crc32
 
@@ -49,7 +49,7 @@ def test_rotation_across_files(tmp_path: Path) -> None:
     assert [r.segment for r in refs] == [1, 1, 2, 2, 3]
     assert seg_files(tmp_path) == ["000001.seg", "000002.seg", "000003.seg"]
     assert all(bytes(log.read(r, verify=True)) == blob(i) for i, r in enumerate(refs))
-    assert list(log.scan(2)) == refs[2:4]
+    assert list(scan(log.directory, 2)) == refs[2:4]
     log.close()
 
 
@@ -125,10 +125,10 @@ def test_truncate_to_removes_torn_tail_and_extra_segments(tmp_path: Path) -> Non
     assert removed == before - seg_bytes(tmp_path) == (RECORD + 50) + 3 * (RECORD + 50) + RECORD + 7 + 6
     assert seg_files(tmp_path) == ["000001.seg", "000002.seg", "000003.seg"]
     assert (tmp_path / "000002.seg").stat().st_size == HEADER_SIZE
-    assert [r for s in (1, 2, 3) for r in log.scan(s)] == committed
+    assert [r for s in (1, 2, 3) for r in scan(log.directory, s)] == committed
     nxt = log.append(blob(20))  # continues right after the last committed record
     assert nxt == BlobRef(3, ends[3] + RECORD, 50, zlib.crc32(blob(20)))
-    assert list(log.scan(3)) == [refs[6], nxt]
+    assert list(scan(log.directory, 3)) == [refs[6], nxt]
     assert all(log.verify(r) for r in [*committed, nxt])
     log.close()
     with SegmentLog(tmp_path, max_segment_bytes=size) as again:  # and so does a fresh handle
@@ -176,7 +176,7 @@ def test_scan_stops_at_torn_tail(tmp_path: Path) -> None:
     ]
     for tail in tails:
         path.write_bytes(good + tail)
-        assert list(log.scan(1)) == refs
+        assert list(scan(log.directory, 1)) == refs
     log.close()
 
 
@@ -214,7 +214,7 @@ def test_foreign_file_is_refused(tmp_path: Path) -> None:
         with pytest.raises(SegmentError, match="bad magic"):
             log.read(BlobRef(1, HEADER_SIZE + RECORD, 4, 0))
         with pytest.raises(SegmentError, match="bad magic"):
-            list(log.scan(1))
+            list(scan(log.directory, 1))
 
 
 def test_missing_segment_and_ref_past_end(tmp_path: Path) -> None:
@@ -293,3 +293,35 @@ def test_will_need_fills_no_process_pages_and_refuses_bad_references(tmp_path: P
     log.close()
     with pytest.raises(SegmentError, match="closed"):
         log.will_need(refs[:1])
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard-link", "copy"])
+def test_adopt_takes_another_logs_files_without_writing_their_blobs(tmp_path: Path, links: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    with SegmentLog(tmp_path / "shard", max_segment_bytes=200) as shard:  # two files
+        refs = [shard.append(blob(i, 80)) for i in range(3)]
+        shard.sync()
+        files = shard.segment_files()
+    assert list(files) == [1, 2]
+    if not links:  # a file system without hard links: the files are copied instead
+        def no_link(src: object, dst: object) -> None:
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr(os, "link", no_link)
+    with SegmentLog(tmp_path / "ns") as log:
+        own = log.append(b"before")
+        numbers = log.adopt(list(files.values()))
+        assert numbers == [2, 3]
+        moved = [BlobRef(numbers[r.segment - 1], r.offset, r.length, r.checksum) for r in refs]
+        assert [bytes(log.read(r, verify=True)) for r in moved] == [blob(i, 80) for i in range(3)]
+        assert (os.stat(files[1]).st_ino == os.stat(log.directory / "000002.seg").st_ino) == links
+        after = log.append(b"after")  # never into a file the shard's directory still links
+        assert after.segment == (4 if links else 3) and bytes(log.read(own)) == b"before"
+        log.sync()
+    with SegmentLog(tmp_path / "ns") as log:  # nothing committed the adoption: recovery drops it
+        log.truncate_to({1: own.offset + own.length})
+        assert seg_files(log.directory) == ["000001.seg"]
+    with SegmentLog(tmp_path / "ns") as log:  # a foreign file is refused before anything is linked
+        (tmp_path / "junk.seg").write_bytes(b"not a segment file")
+        with pytest.raises(SegmentError):
+            log.adopt([tmp_path / "junk.seg"])
+        assert seg_files(log.directory) == ["000001.seg"]

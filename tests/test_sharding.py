@@ -23,6 +23,7 @@ from crash_harness import SHARDED_CONFIG
 from engramkv import EngineConfig, SessionError
 from engramkv.documents import check_document, read_text, tokenize_pieces
 from engramkv.sharding import plan_shards
+from engramkv.storage.segments import SegmentLog
 
 HERE = Path(__file__).resolve().parent
 CONFIG = SHARDED_CONFIG
@@ -98,7 +99,7 @@ def test_sharded_ingest_needs_an_empty_stored_namespace(tmp_path):
 
 
 @pytest.mark.slow
-def test_sharded_ingest_merges_the_shards_in_document_order(tmp_path, ray_path):
+def test_sharded_ingest_merges_the_shards_in_document_order(tmp_path, ray_path, monkeypatch):
     doc = _document(tmp_path / "doc.txt")
     cfg = _config()
     lm = tiny_lm("llama", cfg)
@@ -106,7 +107,11 @@ def test_sharded_ingest_merges_the_shards_in_document_order(tmp_path, ray_path):
     stream = _stream(doc, shards, cfg.window.n_sink)
     seen = []
     with lm.session(store=tmp_path / "store") as session:
-        report = session.ingest_file(doc, workers=2, progress=seen.append)
+        def no_append(*_args: object) -> None:
+            raise AssertionError("the merge wrote a blob: the shards' segments are taken as they are")
+        with monkeypatch.context() as patched:  # in this process only: the driver's merge
+            patched.setattr(SegmentLog, "append", no_append)
+            report = session.ingest_file(doc, workers=2, progress=seen.append)
         assert report.tokens == len(stream) == session.tokens_ingested
         memory = session.memory
         assert [memory.event(i).id for i in range(len(memory))] == list(range(len(memory)))

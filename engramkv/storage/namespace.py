@@ -125,19 +125,18 @@ class NamespaceMemory:
         self._prefetch.wait()  # else the prefetch thread's puts would order the hot tier by timing
         self.hot.stored(event.id, keys, values)
 
-    def adopt(self, events: Sequence[Event], blobs: Sequence[bytes]) -> None:
-        """Append events (ids, spans already this namespace's) whose blobs a store of this codec wrote: a merge."""
-        self._check_usable()  # a read-only namespace's segments refuse the append
-        for event, blob in zip(events, blobs, strict=True):  # each must follow the last, with its span's blob size
-            _check_row(cat.StoredEvent(event, BlobRef(0, 0, len(blob), 0)), len(self), self._columns, self.layout,
+    def adopt(self, events: Sequence[Event], refs: Sequence[BlobRef], representatives: Sequence[np.ndarray],
+              summaries: np.ndarray) -> None:
+        """Append events (ids, spans already this namespace's) whose blobs `refs` locate in this namespace's
+        segments, adopted from a store of this codec (`SegmentLog.adopt`): a merge. representatives: (layers, F)
+        per event; summaries: (N, S)."""
+        self._check_usable()  # a read-only namespace's segments refuse the adoption before this
+        for event, ref in zip(events, refs, strict=True):  # each must follow the last, with its span's blob size
+            _check_row(cat.StoredEvent(event, ref), len(self), self._columns, self.layout,
                        f"the events merged into {self.namespace}")
-            try:
-                self._columns.append(event, self.segments.append(blob))
-            except OSError as err:
-                self._fail(err)
-        summaries = self.layout.key_summaries(blobs, [e.length for e in events], self.summary_layers)  # (N, S)
-        for event, blob, summary in zip(events, blobs, summaries):
-            self.indexes.add(event.id, self.layout.representatives(blob, event.length), summary)
+            self._columns.append(event, ref)
+        for event, reps, summary in zip(events, representatives, summaries, strict=True):
+            self.indexes.add(event.id, reps, summary)
 
     def tokens(self, event_id: int) -> list[int]:
         return self.layout.tokens(self.blob(event_id), self._columns.n_tokens(event_id))

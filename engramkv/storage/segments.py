@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import shutil
 import struct
 import weakref
 import zlib
@@ -68,6 +69,26 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:  # os.write may write less than asked
         view = view[os.write(fd, view) :]
+
+
+def scan(directory: Path, segment: int) -> Iterator[BlobRef]:
+    """Walk one segment file's records, stopping quietly at a torn tail or at the first record failing its
+    crc32 (without the catalog, damage and a torn tail look alike). A diagnostic: reads go through SegmentLog."""
+    path = directory / f"{segment:06d}.seg"
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise SegmentError(f"segment file {path} is missing") from None
+    with f:
+        _check_header(f.read(HEADER_SIZE), path, allow_torn=True)
+        size, offset = os.fstat(f.fileno()).st_size, HEADER_SIZE + _RECORD.size
+        while offset <= size:
+            length, crc = _RECORD.unpack(f.read(_RECORD.size))
+            # Size first: a torn length may be garbage, and reading it whole could exhaust memory.
+            if offset + length > size or zlib.crc32(f.read(length)) != crc:
+                return
+            yield BlobRef(segment, offset, length, crc)
+            offset += length + _RECORD.size
 
 
 class SegmentLog:
@@ -239,25 +260,33 @@ class SegmentLog:
             self._dir_dirty = False
         return removed
 
-    def scan(self, segment: int) -> Iterator[BlobRef]:
-        """Walk one file's records, stopping quietly at a torn tail or at the first record failing
-        its crc32 (without the catalog, damage and a torn tail look alike)."""
-        self._check()
-        path = self._path(segment)
-        try:
-            f = open(path, "rb")
-        except FileNotFoundError:
-            raise SegmentError(f"segment file {path} is missing") from None
-        with f:
-            _check_header(f.read(HEADER_SIZE), path, allow_torn=True)
-            size, offset = os.fstat(f.fileno()).st_size, HEADER_SIZE + _RECORD.size
-            while offset <= size:
-                length, crc = _RECORD.unpack(f.read(_RECORD.size))
-                # Size first: a torn length may be garbage, and reading it whole could exhaust memory.
-                if offset + length > size or zlib.crc32(f.read(length)) != crc:
-                    return
-                yield BlobRef(segment, offset, length, crc)
-                offset += length + _RECORD.size
+    def segment_files(self) -> dict[int, Path]:
+        """{segment number: file} of every segment in the directory."""
+        return {n: self._path(n) for n in self._numbers()}
+
+    def adopt(self, files: Sequence[Path]) -> list[int]:
+        """Take another log's whole segment files (the same format) as this log's next segments, in order, and
+        return their numbers here. Hard links where the file system has them (no bytes copied), else copies.
+        Durable on return; until a catalog commit points into them they lie past every committed end, and
+        recovery (`truncate_to`) deletes them. No append goes into a file another directory still links
+        (`_writer`)."""
+        self._check(write=True)
+        for src in files:  # all of them before any is taken
+            _check_header(_read_header(src), src)
+        self.sync()
+        self._close_writer()
+        first = max(self._numbers(), default=0) + 1
+        numbers = list(range(first, first + len(files)))
+        for number, src in zip(numbers, files):
+            try:
+                os.link(src, self._path(number))
+            except OSError:  # another file system, or one without hard links
+                shutil.copyfile(src, self._path(number))
+                with open(self._path(number), "rb") as f:
+                    os.fsync(f.fileno())
+        self._dir_dirty = True
+        self.sync()
+        return numbers
 
     def close(self) -> None:
         """Release files and maps. Does not fsync: call `sync` first for durability."""
@@ -279,7 +308,7 @@ class SegmentLog:
             raise SegmentError("segment log was opened read-only")
 
     def _path(self, segment: int) -> Path:
-        return self.directory / f"{segment:06d}.seg"
+        return self.directory / f"{segment:06d}.seg"  # as `scan` names them
 
     def _numbers(self) -> list[int]:
         if not self.directory.is_dir():
@@ -334,6 +363,8 @@ class SegmentLog:
             return self._open_new(1)
         path = self._path(numbers[-1])
         _check_header(_read_header(path), path)  # a torn header here means recovery was skipped
+        if os.stat(path).st_nlink > 1:  # adopted, and the shard's store still links it: its bytes are not ours alone
+            return self._open_new(numbers[-1] + 1)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self._fd, self._segment, self._size = fd, numbers[-1], os.fstat(fd).st_size
         return fd
