@@ -138,6 +138,12 @@ def table(rows: list[dict[str, Any]], workers: int, threads: int) -> str:
                   f"{sum(r['sharded']['prompt']['score'] for r in rows):.0f}, chat "
                   f"{sum(r['sequential']['chat']['score'] for r in rows):.0f} / "
                   f"{sum(r['sharded']['chat']['score'] for r in rows):.0f}."]
+    kinds = ["sequential", "sharded", "sequential_no_write_through"]
+    lines += ["", "Events by the 2,048-token stretch their span starts in (the last stretch is partial, and ends in the "
+              "resident window):", "", "| task | seed | store | events | per 2k tokens |", "|---|---|---|---|---|"]
+    lines += [f"| {r['task']} | {r['seed']} | {kind} | {r[kind]['events']:,} | "
+              f"{' '.join(str(n) for n in r[kind]['events_per_2k_tokens'])} |"
+              for r in rows for kind in kinds if "events_per_2k_tokens" in r.get(kind, {})]
     return "\n".join(lines) + "\n"
 
 
