@@ -316,9 +316,13 @@ def _adopt_shards(memory: NamespaceMemory, config: EngineConfig, document: Check
                     raise StoreCorruptError(f"shard {result.index} in {root} is damaged ({err}): remove the "
                                             "directory and ingest again") from err
                 events = [_moved(shard.event(i), shift, first_event) for i in ids]
-                summaries = memory.layout.key_summaries(blobs, [e.length for e in events], memory.summary_layers)
-                memory.adopt(events, [replace(ref, segment=numbers[ref.segment]) for ref in refs],
-                             [memory.layout.representatives(b, e.length) for b, e in zip(blobs, events)], summaries)
+                # What the shard indexed (the exact key summaries, as a sequential read indexes them), else decoded
+                indexed = shard.indexes.flat_entries(lo, len(ids))
+                representatives, summaries = indexed or (
+                    [memory.layout.representatives(b, e.length) for b, e in zip(blobs, events)],
+                    memory.layout.key_summaries(blobs, [e.length for e in events], memory.summary_layers))
+                memory.adopt(events, [replace(ref, segment=numbers[ref.segment]) for ref in refs], representatives,
+                             summaries)
                 del blobs  # the views pin the shard's maps, which close with it
             checkpoint = shard.load_checkpoint()
             snapshot = None if checkpoint is None else {

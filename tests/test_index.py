@@ -44,6 +44,15 @@ def test_flat_search_is_exact():
     assert index.kind == "flat"
 
 
+def test_flat_entries_give_back_what_was_indexed_by_position_and_nothing_once_ivf():
+    index, vectors = _filled(50, IndexConfig())
+    representatives, summaries = index.flat_entries(10, 7)
+    assert np.array_equal(representatives, vectors[10:17])
+    assert np.array_equal(summaries, np.stack([_summary(v) for v in vectors[10:17]]))
+    ivf, _ = _filled(400, IndexConfig(ivf_min_events=200, ivf_lists_per_sqrt=1.0))
+    assert ivf.kind == "ivf" and ivf.flat_entries(0, 10) is None  # centred and quantised: not what was added
+
+
 def test_past_the_threshold_it_becomes_ivf_and_still_finds_the_best():
     cfg = IndexConfig(ivf_min_events=200, ivf_lists_per_sqrt=1.0, ivf_nprobe=16)
     index, vectors = _filled(400, cfg)

@@ -1,32 +1,29 @@
 """One FAISS inner-product index per layer over the events' representative keys; ids are event ids.
 
-An index starts flat (exact, `IndexIDMap` over `IndexFlatIP`). Past `ivf_min_events` it is rebuilt
-once as IVF with scalar quantisation (`IndexConfig.ivf_codec`; trained on the vectors it already holds;
-the event ids live in its inverted lists), which keeps search time sub-linear and RAM under one byte per
-dimension and event.
+An index starts flat (exact, `IndexIDMap` over `IndexFlatIP`). Past `ivf_min_events` it is rebuilt once as IVF with
+scalar quantisation (`IndexConfig.ivf_codec`; trained on the vectors it already holds; the event ids live in its
+inverted lists), which keeps search time sub-linear and RAM under one byte per dimension and event.
 
-The layer indexes are built over *centred* representatives (minus their mean at the rebuild, kept in
-the manifest): a key representative shares a large common direction with every other, and inner-product
-k-means over raw ones puts most of them in a few lists, so 32 probed lists held a quarter to two fifths
-of the exact top 10 (default model, 8k natural-text events); centred, three quarters. Subtracting a
-constant from every indexed vector shifts all scores of one query by the same amount: the ranking of a
-search is unchanged, only the partition improves. (The key summaries, averages of unit vectors, gained
-nothing from it and are indexed as they are.) No id-to-position map is kept (`IndexIDMap2` costs ~50 B
-per event and index): nothing looks vectors up by id.
+The layer indexes are built over *centred* representatives (minus their mean at the rebuild, kept in the manifest):
+a key representative shares a large common direction with every other, and inner-product k-means over raw ones puts
+most of them in a few lists, so 32 probed lists held a quarter to two fifths of the exact top 10 (default model, 8k
+natural-text events); centred, three quarters. Subtracting a constant from every indexed vector shifts all scores of
+one query by the same amount: the ranking of a search is unchanged, only the partition improves. (The key summaries,
+averages of unit vectors, gained nothing from it and are indexed as they are.) No id-to-position map is kept
+(`IndexIDMap2` costs ~50 B per event and index): a flat index holds them in id order (a merge reads them so).
 
-Indexes are saved beside the catalog with the number of events they hold; on open, an index that lags
-the catalog is caught up from the representatives stored in the event blobs, and one that is ahead
-(saved, then the catalog commit was lost) is rebuilt.
+Indexes are saved beside the catalog with the number of events they hold; on open, an index that lags the catalog is
+caught up from the representatives stored in the event blobs, and one that is ahead (saved, then the catalog commit
+was lost) is rebuilt.
 
-Beside them, one index over the events' key summaries (`memory.summary`): what questions are
-matched against (`retrieval.question`). It is derived from the stored keys, so a store without it
-gets it rebuilt on open.
+Beside them, one index over the events' key summaries (`memory.summary`): what questions are matched against
+(`retrieval.question`). It is derived from the stored keys, so a store without it gets it rebuilt on open.
 
-With `IndexConfig.rank`, past `project_min_events` the indexes hold low-rank codes (`storage.projection`): no
-ids, no IVF, searches re-scored exactly (`layer_representatives_of`, else `representatives_of`; `summaries_of`).
+With `IndexConfig.rank`, past `project_min_events` the indexes hold low-rank codes (`storage.projection`): no ids,
+no IVF, searches re-scored exactly (`layer_representatives_of`, else `representatives_of`; `summaries_of`).
 
-With a GPU build of FAISS (`IndexConfig.device`), searches run on a GPU copy of each index that every
-add also updates; the CPU indexes stay the ones that are saved, rebuilt and caught up.
+With a GPU build of FAISS (`IndexConfig.device`), searches run on a GPU copy of each index that every add also
+updates; the CPU indexes stay the ones that are saved, rebuilt and caught up.
 """
 
 from __future__ import annotations
@@ -117,6 +114,14 @@ class LayerIndexes:
             for event_id, summary in zip(ids, self.summaries_of(ids)):
                 self.add(event_id, self.representatives_of(event_id), summary)
 
+    def flat_entries(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(representatives (count, layers, F), summaries (count, S)) of events first.. as indexed; None unless flat."""
+        if self.kind != "flat" or self.centres is not None:
+            return None
+        rows = [faiss.downcast_index(index.index).reconstruct_n(first, count)  # type: ignore[attr-defined]
+                for index in [*self.indexes, self.summary]]
+        return np.stack(rows[:-1], axis=1), rows[-1]
+
     def _add_projected(self, event_id: int, representatives: np.ndarray, summary: np.ndarray) -> None:
         assert self.projection is not None and self.summary_projection is not None
         if event_id != len(self):  # positions are the ids
@@ -150,8 +155,7 @@ class LayerIndexes:
         return search_codes(index, projection, layer, q, k, max(k, self.cfg.rerank), exact_of)
 
     def _mirror(self) -> None:
-        """(Re)build the GPU copies from the CPU indexes (after load or the IVF rebuild; low-rank codes stay on
-        the CPU: FAISS's GPU indexes have no flat scalar quantiser)."""
+        """(Re)build the GPU copies after load or the IVF rebuild (low-rank codes stay: FAISS has no GPU flat SQ)."""
         self._mirrors = [] if self._gpu is None or self.kind == "projected" else [
             faiss.index_cpu_to_gpu(self._gpu, 0, index) for index in [*self.indexes, self.summary]]
 
@@ -251,13 +255,12 @@ class LayerIndexes:
         """Open the saved indexes and bring them to exactly `committed_events` events (a flat store opened with
         `rank` is projected now, past `project_min_events`).
 
-        representatives_of(event_id) -> (layers, dim) float32, read from the event's blob; summaries_of(ids)
-        -> (len(ids), summary_dim) float32, computed from their keys (for catching up, rebuilding and re-scoring
-        low-rank searches); layer_representatives_of(ids, layer) -> (len(ids), dim) float32, for re-scoring
-        low-rank searches (default: from representatives_of). A store saved
-        with other summary layers (or before summaries existed) gets its summary index rebuilt. The indexes
-        are derived data: a damaged file (unreadable, or not the checksum its manifest records) is rebuilt
-        from the blobs, which carry checksums of their own.
+        representatives_of(event_id) -> (layers, dim) float32, read from the event's blob; summaries_of(ids) ->
+        (len(ids), summary_dim) float32, computed from their keys (for catching up, rebuilding and re-scoring low-rank
+        searches); layer_representatives_of(ids, layer) -> (len(ids), dim) float32, for re-scoring low-rank searches
+        (default: from representatives_of). A store saved with other summary layers (or before summaries existed)
+        gets its summary index rebuilt. The indexes are derived data: a damaged file (unreadable, or not the
+        checksum its manifest records) is rebuilt from the blobs, which carry checksums of their own.
         """
         def empty() -> LayerIndexes:
             return cls(num_layers, dim, cfg, summary_layers, representatives_of, summaries_of, layer_representatives_of)
