@@ -13,7 +13,11 @@ event counts, and the sharded run's throughput as a ratio to the sequential one'
 `ingest_file` call, the same tokens).
 
     python benchmarks/sharded_ingest.py [--tasks passkey niah-single] [--length 32768] [--seeds 0 1]
-        [--workers 2] [--threads 2] [--name sharded_ingest] [--resume]
+        [--workers 2] [--threads 2] [--name sharded_ingest] [--resume] [--no-write-through]
+
+Each store's events are also counted per 2,048 tokens of the stream, where its span starts: where two reads of
+the same document part ways. --no-write-through adds a third ingest, sequential with `store.hot_write_through`
+off (every read of memory through the codec): how far the count moves when only the codec's rounding differs.
 
 Writes benchmarks/results/sharded/NAME.json and .md; --resume keeps the samples already in NAME.json.
 """
