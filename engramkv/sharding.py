@@ -45,7 +45,7 @@ from engramkv.storage.namespace import NamespaceMemory
 from engramkv.storage.segments import SegmentError
 from engramkv.storage.store import BASES_FILE, EventStore
 
-MERGE_BATCH = 256  # events indexed at once: their key summaries are decoded together
+MERGE_BATCH = 256  # events merged at once (their blobs checksummed, their index entries taken or decoded together)
 _SCAN = 1 << 16  # bytes searched after a cut's target for a paragraph break
 
 
@@ -305,8 +305,9 @@ def _adopt_shards(memory: NamespaceMemory, config: EngineConfig, document: Check
             files = shard.segments.segment_files()
             try:  # the shard's blobs stay where they are: its files become the namespace's next segments
                 numbers = dict(zip(files, memory.segments.adopt(list(files.values()))))
-            except OSError as err:
-                raise StoreError(f"the shards' segments could not be moved into {memory.dir}: {err}") from err
+            except (OSError, SegmentError) as err:
+                raise StoreError(f"shard {result.index}'s segments could not be taken into {memory.dir}: "
+                                 f"{err}") from err
             for lo in range(0, len(shard), MERGE_BATCH):
                 ids = range(lo, min(lo + MERGE_BATCH, len(shard)))
                 refs = [shard.blob_ref(i) for i in ids]
