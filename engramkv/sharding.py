@@ -8,12 +8,13 @@
             near a cut differs a little from one sequential read. A shard whose worker dies is read again
             from an empty directory (Ray's task retries); a finished shard leaves a RESULT file, and a rerun
             of the same ingest (after Ctrl-C or a kill of the driver) reads only the shards without one.
-    merge   in the driver, shard by shard: each event's blob is appended to the namespace as written (keys
-            are stored without RoPE, so KV does not depend on position), its id moved past the events and its
-            span past the tokens of the shards before (`NamespaceMemory.adopt`); then ONE commit, with the
-            last shard's resident window moved the same way (`engine.state.shifted_snapshot`) and the document
-            complete. A kill before that commit leaves the namespace as it was (opening the store trims the
-            appended blobs), after it the whole document.
+    merge   in the driver, shard by shard: the shard's segment files become the namespace's next segments
+            as written (hard links, `SegmentLog.adopt`; keys are stored without RoPE, so KV does not depend on
+            position), each event's id moved past the events and its span past the tokens of the shards before,
+            its blob checksummed and its index entries taken from the shard's (`NamespaceMemory.adopt`); then
+            ONE commit, with the last shard's resident window moved the same way
+            (`engine.state.shifted_snapshot`) and the document complete. A kill before that commit leaves the
+            namespace as it was (opening the store deletes the adopted files), after it the whole document.
 
 Ray is optional (`pip install 'engramkv[ray]'`), imported only when a document is cut into more than one shard.
 Workers load the model through the `EpisodicLM.loader` they are given, so they must see the same files.
