@@ -269,7 +269,7 @@ def document_sinks(tokenizer: Any, document: CheckedDocument, n_sink: int) -> li
 def merge_shards(memory: NamespaceMemory, config: EngineConfig, document: CheckedDocument, root: Path,
                  results: list[ShardResult], progress: Callable[[IngestProgress], None] | None) -> DocumentProgress:
     """Append every shard's events to `memory` in document order, then commit once with the last shard's window.
-    A merge stopped half-way leaves the namespace broken until it is opened again (which trims what it appended)."""
+    A merge stopped half-way leaves the namespace broken until it is opened again (which deletes what it took in)."""
     try:
         snapshot, position = _adopt_shards(memory, config, document, root, results, progress)
         done = DocumentProgress(name=str(document.path.resolve()), size_bytes=document.size_bytes,
@@ -277,7 +277,8 @@ def merge_shards(memory: NamespaceMemory, config: EngineConfig, document: Checke
                                 token_end=position, complete=True)
         memory.commit(snapshot, done)
     except BaseException as err:
-        if memory.broken is None and len(memory) > memory.committed_events:
+        # The namespace was empty: any segment file is one this merge took in, even before its events were added
+        if memory.broken is None and (len(memory) > memory.committed_events or memory.segments.segment_files()):
             memory.broken = f"a sharded ingest's merge stopped half-way ({type(err).__name__})"
         raise
     shutil.rmtree(root, ignore_errors=True)
