@@ -68,6 +68,10 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
                              "dropped and run again (after a change that moves only them, such as new "
                              "allocation coefficients); runs made at this commit are kept, so a resume at the same "
                              "commit goes on. Leave it off once the code moves on, or it reruns them again")
+    parser.add_argument("--rerun-empty", nargs="+", default=[], metavar="SYSTEM",
+                        help="with --resume or --merge: the runs of these systems whose reply was empty are run "
+                             "again (after a change that moves only such replies, as generation.min_new_tokens "
+                             "did: greedy decoding picks the same tokens wherever the first was not the stop token)")
     return parser
 
 
@@ -80,9 +84,9 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         args.systems = list(dict.fromkeys(s for name in args.systems
                                           for s in (ALLOCATION_SYSTEMS if name == "allocation" else [name])))
 
-    unknown = sorted(set(args.rerun) - set(SYSTEMS))
+    unknown = sorted(set(args.rerun + args.rerun_empty) - set(SYSTEMS))
     if unknown:
-        raise SystemExit(f"--rerun: unknown systems {unknown}")
+        raise SystemExit(f"--rerun / --rerun-empty: unknown systems {unknown}")
     model, tokenizer, model_id = load_pretrained(ModelConfig(name_or_path=args.model))
     models = Models(model, tokenizer, model_id)
     runs, commands, notes = previous_runs(args.out / f"{args.name}.json", model_id) if args.resume else ([], [], {})
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         done = {_key(r) for r in runs}
         runs += [r for r in merged if _key(r) not in done]
         commands += [c for c in merged_commands if c not in commands]
-    runs = [r for r in runs if not (r["system"] in args.rerun and r.get("commit") != CODE["commit"])]
+    runs = [r for r in runs if not (r["system"] in args.rerun and r.get("commit") != CODE["commit"])
+            and not (r["system"] in args.rerun_empty and not r["reply"].strip())]
     command = " ".join(["python benchmarks/evaluate.py", *_argv(args)])
     if command not in commands:  # the same command run again (a resume, a merge) is listed once
         commands.append(command)

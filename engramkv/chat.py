@@ -108,11 +108,16 @@ def stream_text(tokenizer: Any, tokens: Iterator[int], stop_text: str | None = N
 def sample(logits: torch.Tensor | None, decode: Callable[[int], torch.Tensor], limit: int, stop: set[int],
            cfg: GenerationConfig) -> Iterator[int]:
     """Up to `limit` new tokens: pick one from `logits` (V,), read it with `decode` (which returns the next
-    logits, (1, V)), and so on; a stop token is read but not yielded, and ends the reply."""
+    logits, (1, V)), and so on; a stop token is read but not yielded, and ends the reply. Before
+    `cfg.min_new_tokens` tokens no stop token is picked."""
     generator = torch.Generator().manual_seed(cfg.seed)
-    for _ in range(limit):
+    masked = sorted(stop)
+    for step in range(limit):
         if logits is None:
             raise SessionError("nothing to continue from: the stream holds no tokens")
+        if step < cfg.min_new_tokens and masked:
+            logits = logits.clone()
+            logits[masked] = float("-inf")
         token = pick(logits, cfg.temperature, generator)
         logits = decode(token)[-1]
         if token in stop:

@@ -255,15 +255,16 @@ class GenerationConfig(_Strict):
     """Decoding defaults."""
 
     max_new_tokens: int = Field(default=64, ge=1)
+    min_new_tokens: int = Field(default=1, ge=0, description="Tokens before a stop token may end a reply (it is "
+                                "masked until then): 1, a reply is never empty; 0, the model may end its turn at once.")
     temperature: float = Field(default=0.0, ge=0, description="0 is greedy.")
     seed: int = 0
     chat_format: Literal["qa", "template"] = Field(
         default="qa",
         description=(
-            "How `chat` renders a turn. 'qa': 'Question: ...\nAnswer:', the reply ending at a blank line "
-            "(not one after a colon). "
-            "'template': the model's chat template. Measured on the embedded 135M model: under its template "
-            "it answers from its own weights and ignores recalled events that it uses in the 'qa' form."
+            "How `chat` renders a turn. 'qa': 'Question: ...\nAnswer:', the reply ending at a blank line (not one "
+            "after a colon). 'template': the model's chat template. Measured on the embedded 135M model: under its "
+            "template it answers from its own weights and ignores recalled events that it uses in the 'qa' form."
         ),
     )
 

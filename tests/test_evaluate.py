@@ -222,6 +222,17 @@ def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
     rerun = json.loads(path.read_text())
     assert len(rerun["runs"]) == len(runs) and all(r["commit"] != "0" * 40 for r in rerun["runs"])
 
+    # --rerun-empty measures again the runs of a system whose reply was empty, and only those
+    blanked = next(r for r in rerun["runs"] if r["system"] == "engram" and r["task"] == "passkey")
+    blanked["reply"] = ""
+    path.write_text(json.dumps(rerun))
+    out = subprocess.run([sys.executable, "evaluate.py", "--quick", "--resume", "--rerun-empty", "engram", "--out",
+                          str(tmp_path), "--name", "quick"], cwd=BENCHMARKS, check=True, capture_output=True,
+                         text=True, timeout=600).stdout
+    assert out.count("seed 0: score") == 1 and "passkey          engram " in out
+    again = json.loads(path.read_text())
+    assert len(again["runs"]) == len(runs) and all(r["reply"].strip() for r in again["runs"] if r["system"] == "engram")
+
 
 def test_accuracy_cells_carry_n_and_a_wilson_interval():
     import evaluate

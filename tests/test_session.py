@@ -200,6 +200,23 @@ def test_a_blank_line_after_a_colon_does_not_end_a_qa_reply(monkeypatch):
     assert session.chat("which numbers?") == " The numbers are:\n\n1. 42\n2. 7"
 
 
+def test_a_reply_is_never_empty_unless_configured():
+    from engramkv import chat
+    from engramkv.config import GenerationConfig
+
+    eos = 0
+    first = torch.tensor([5.0, 4.0, 1.0])  # the stop token is the first pick
+    after = torch.tensor([[9.0, 1.0, 2.0]])  # then the stop token again
+
+    def reply(cfg):
+        return list(chat.sample(first, lambda token: after, 8, {eos}, cfg))
+
+    assert reply(GenerationConfig(min_new_tokens=0)) == []
+    assert reply(GenerationConfig()) == [1]  # default 1: the next best token, then the stop token ends it
+    assert reply(GenerationConfig(min_new_tokens=3)) == [1, 2, 2]
+    assert torch.equal(first, torch.tensor([5.0, 4.0, 1.0]))  # the caller's logits are not masked in place
+
+
 def test_a_closed_session_refuses_every_call():
     from engramkv import SessionError
 
