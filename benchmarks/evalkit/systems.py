@@ -17,6 +17,8 @@ Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --
                           engramkv with its events in a persistent store on disk (a temporary
                           directory), cold tier in that codec (lowrank: the bases shipped for the model):
                           the effect of the store and its compression
+  engram-store-lowrank-alloc
+                          the lowrank store with theta chosen by the allocation model (engram-alloc in RAM)
   full-around-fact        the facts task's reading ceiling: full attention over ~150 tokens around the fact
   engram-alloc            engramkv, the inference parameters theta chosen per question by the allocation
                           model (the coefficients shipped in engramkv/coefficients/)
@@ -401,6 +403,9 @@ VARIANTS = {
     "engram-fixed": _variant(recall={"positions": "fixed"}),
     **{f"engram-store-{codec}": _variant(store={"codec": codec})
        for codec in ("fp16", "int8", "int4", "int2", "lowrank")},
+    # The lowrank store under the allocation model, as a user who picks that codec gets it by default; its RAM
+    # twin is `engram-alloc` (the same samples).
+    "engram-store-lowrank-alloc": _variant(store={"codec": "lowrank"}).with_allocation_mode("model"),
 }
 
 
