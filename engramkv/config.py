@@ -256,7 +256,7 @@ class GenerationConfig(_Strict):
 
     max_new_tokens: int = Field(default=64, ge=1)
     min_new_tokens: int = Field(default=1, ge=0, description="Tokens before a stop token may end a reply (it is "
-                                "masked until then): 1, a reply is never empty; 0, the model may end its turn at once.")
+                                "masked until then): 1, the model cannot end its turn at once (an empty reply).")
     temperature: float = Field(default=0.0, ge=0, description="0 is greedy.")
     seed: int = 0
     chat_format: Literal["qa", "template"] = Field(
