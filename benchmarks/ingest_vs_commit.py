@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from _common import RESULTS, natural_text, write_results
@@ -31,32 +30,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def child(ids_path: Path) -> None:
-    """Run in a child process: time one bare forward and one engine ingest; print one JSON line."""
-    import torch
-    from transformers import DynamicCache
-
+    """Run in a child process: time one bare forward and one engine ingest (`throughput.py`'s); print one JSON line."""
     import engramkv
     from engramkv import EngineConfig, EpisodicLM
     from engramkv.hf import load_pretrained
+    from throughput import bare_forward, engine_forward
 
     ids = json.loads(ids_path.read_text())
     config = EngineConfig()
     model, tokenizer, model_id = load_pretrained(config.model)
-    chunk = config.window.chunk_size
-    cache = DynamicCache(config=model.config)
-    started = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(ids), chunk):
-            out = model(input_ids=torch.tensor([ids[i : i + chunk]]), past_key_values=cache, use_cache=True)
-            out.logits.float().logsumexp(-1)
-    bare_s = time.perf_counter() - started
-    del cache
-    session = EpisodicLM(model, tokenizer, model_id, config).session()
-    started = time.perf_counter()
-    session.ingest_ids(ids)
-    engine_s = time.perf_counter() - started
-    print(json.dumps({"engramkv": engramkv.__file__, "bare_s": bare_s, "engine_s": engine_s,
-                      "events": session.events}))
+    bare_s = bare_forward(model, ids, config.window.chunk_size)
+    engine_s, events = engine_forward(EpisodicLM(model, tokenizer, model_id, config), ids)
+    print(json.dumps({"engramkv": engramkv.__file__, "bare_s": bare_s, "engine_s": engine_s, "events": events}))
 
 
 def git(*args: str) -> str:

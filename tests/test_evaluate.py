@@ -185,14 +185,18 @@ def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
     assert all(f"| {system} |" in table for system in SYSTEMS)
     assert (tmp_path / "quick.png").stat().st_size > 10_000
 
+    def resume(*flags: str) -> str:  # evaluate.py --quick --resume FLAGS on the same results; its stdout
+        return subprocess.run([sys.executable, "evaluate.py", "--quick", "--resume", *flags, "--out", str(tmp_path),
+                               "--name", "quick"], cwd=BENCHMARKS, check=True, capture_output=True, text=True,
+                              timeout=600).stdout
+
     # --resume runs only what the results lack: drop one run, and only that one comes back
     path = tmp_path / "quick.json"
     payload = json.loads(path.read_text())
     dropped = next(r for r in payload["runs"] if r["task"] == "passkey" and r["system"] == "streaming")
     payload["runs"].remove(dropped)
     path.write_text(json.dumps(payload))
-    out = subprocess.run([sys.executable, "evaluate.py", "--quick", "--resume", "--out", str(tmp_path), "--name",
-                          "quick"], cwd=BENCHMARKS, check=True, capture_output=True, text=True, timeout=600).stdout
+    out = resume()
     assert out.count("seed 0: score") == 1 and "passkey          streaming" in out
     resumed = json.loads(path.read_text())
     # the same command run again (quick mode records no --resume) is listed once in the header
@@ -203,9 +207,7 @@ def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
     moved = [r for r in resumed["runs"] if r["task"] == "conversation"]
     (tmp_path / "other.json").write_text(json.dumps({**resumed, "runs": moved, "commands": ["other command"]}))
     path.write_text(json.dumps({**resumed, "runs": [r for r in resumed["runs"] if r not in moved]}))
-    out = subprocess.run([sys.executable, "evaluate.py", "--quick", "--resume", "--merge", "other", "--out",
-                          str(tmp_path), "--name", "quick"], cwd=BENCHMARKS, check=True, capture_output=True,
-                         text=True, timeout=600).stdout
+    out = resume("--merge", "other")
     merged = json.loads(path.read_text())
     assert "seed 0: score" not in out and len(merged["runs"]) == len(runs)
     assert "other command" in merged["commands"] and "`other command`" in (tmp_path / "quick.md").read_text()
@@ -215,9 +217,7 @@ def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
         if r["system"] == "rag" and r["task"] == "passkey":
             r["commit"] = "0" * 40
     path.write_text(json.dumps(merged))
-    out = subprocess.run([sys.executable, "evaluate.py", "--quick", "--resume", "--rerun", "rag", "--out",
-                          str(tmp_path), "--name", "quick"], cwd=BENCHMARKS, check=True, capture_output=True,
-                         text=True, timeout=600).stdout
+    out = resume("--rerun", "rag")
     assert out.count("seed 0: score") == 1 and "passkey          rag" in out
     rerun = json.loads(path.read_text())
     assert len(rerun["runs"]) == len(runs) and all(r["commit"] != "0" * 40 for r in rerun["runs"])
@@ -226,9 +226,7 @@ def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
     blanked = next(r for r in rerun["runs"] if r["system"] == "engram" and r["task"] == "passkey")
     blanked["reply"] = ""
     path.write_text(json.dumps(rerun))
-    out = subprocess.run([sys.executable, "evaluate.py", "--quick", "--resume", "--rerun-empty", "engram", "--out",
-                          str(tmp_path), "--name", "quick"], cwd=BENCHMARKS, check=True, capture_output=True,
-                         text=True, timeout=600).stdout
+    out = resume("--rerun-empty", "engram")
     assert out.count("seed 0: score") == 1 and "passkey          engram " in out
     again = json.loads(path.read_text())
     assert len(again["runs"]) == len(runs) and all(r["reply"].strip() for r in again["runs"] if r["system"] == "engram")
