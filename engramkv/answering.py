@@ -65,6 +65,7 @@ class Assessment:
     matched: QuestionMatch
     features: torch.Tensor  # (F,) informativeness (`allocation.FEATURES`)
     window_piece: tuple[int, int] | None = None  # stream indices [a, b) of the window's best piece (local text)
+    window_centre: int | None = None  # the stream index where the question matches that piece best
 
 
 class Answerer:
@@ -110,16 +111,21 @@ class Answerer:
         margin = matched.window - matched.hits[0][1] if matched.hits else 0.0
         i_doc = self._i_doc(ids, matched) if with_i_doc and self.cfg.allocation.i_doc else 0.0
         features = allocation.informativeness(torch.tensor(matched.scores), margin, i_doc)
-        return Assessment(matched, features, self._stream_piece(matched.window_piece))
+        piece = self._stream_piece(matched.window_piece)
+        centre = None if piece is None or matched.window_centre is None else self._stream_index(matched.window_centre)
+        return Assessment(matched, features, piece, centre)
 
     def _stream_piece(self, piece: tuple[int, int] | None) -> tuple[int, int] | None:
         """A piece of the resident keys (sinks, then local tokens) as stream indices of its local tokens
         (None: none, or all in the sinks, which every answer reads)."""
-        stream = self.state.stream
-        if piece is None or piece[1] <= stream.sink_len:
+        if piece is None or piece[1] <= self.state.stream.sink_len:
             return None
-        return (stream.local_start + max(piece[0] - stream.sink_len, 0),
-                stream.local_start + piece[1] - stream.sink_len)
+        return self._stream_index(piece[0]), self._stream_index(piece[1])
+
+    def _stream_index(self, resident: int) -> int:
+        """The stream index of a resident key (sinks first); a sink maps to the first local token."""
+        stream = self.state.stream
+        return stream.local_start + max(resident - stream.sink_len, 0)
 
     def _i_doc(self, ids: torch.Tensor, matched: QuestionMatch) -> float:
         """The change in the first answer token's log-probability with the best event against none."""
@@ -277,14 +283,20 @@ class Answerer:
         and of the local window only its best-matching piece, widened to the theta's memory budget (what it
         would have read of a hit), then the turn. Why not the whole window: measured on the embedded model,
         a pass key 20 tokens into a 1,024-token window of filler is answered "The pass key is the pass key."
-        through the chat template, and read as a hit of 128 tokens it is answered."""
+        through the chat template, and read as a hit of 128 tokens it is answered. A piece longer than the
+        budget is cut to it, centred where the question matches it (as a hit is read, `centred_parts`): the
+        budget bounds what the answer reads, and the limit it was derived from holds."""
         assert assessment.window_piece is not None
         start, end = assessment.window_piece
         first = self.state.stream.local_start
         start, end = max(start, first), min(end, window_end)
-        if start >= end:  # the piece is in the turn, which every answer reads: none of the window
+        if start >= end or budget == 0:  # the piece is in the turn, which every answer reads: none of the window
             return RecallPlan((), budget, window_from=window_end, theta=theta,
                               features=tuple(assessment.features.tolist()))
+        if end - start > budget:
+            centre = (start + end) // 2 if assessment.window_centre is None else assessment.window_centre
+            start = min(max(start, centre - budget // 2), end - budget)
+            end = start + budget
         extra = max(0, budget - (end - start))
         lo, hi = start - extra // 2, end + extra - extra // 2
         if lo < first:  # widen on the other side what one side lacks

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from engramkv import ConfigError, EngineConfig, InputError, Theta
-from engramkv.answering import DEMONSTRATIONS, Answerer, allocation_model
+from engramkv.answering import DEMONSTRATIONS, Answerer, Assessment, allocation_model
 from engramkv.config import AllocationConfig, RecallConfig, SegmentationConfig, WindowConfig
 from engramkv.retrieval.allocation import FEATURES, PARAMETERS, AllocationModel
-from engramkv.retrieval.question import RecallPlan
+from engramkv.retrieval.question import QuestionMatch, RecallPlan
 
 from conftest import VOCAB, tiny_pair
 
@@ -240,6 +240,37 @@ def test_where_the_window_matches_better_the_model_reads_its_best_piece(tmp_path
     read_to = turn_start if plan.window_gap is None else plan.window_gap[0]
     assert plan.window_gap is None or plan.window_gap[1] == turn_start
     assert min(theta.k * theta.s * theta.n, plan.budget) <= read_to - plan.window_from < turn_start - local_start
+
+
+def test_a_piece_longer_than_the_budget_is_read_to_the_budget_around_its_match():
+    _, session = _session()
+    answerer, turn_start, first = session._answerer, session.state.n_tokens, session.state.stream.local_start
+    matched = QuestionMatch((), (), 0.0)
+
+    def read(piece, centre, budget):  # [a, b) of the local window the plan reads before the turn
+        plan = answerer.window_piece_plan(Assessment(matched, torch.zeros(len(FEATURES)), piece, centre),
+                                          Theta(1, 16, 1, 0, 64), turn_start, budget)
+        return plan.window_from, turn_start if plan.window_gap is None else plan.window_gap[0]
+
+    assert turn_start - first >= 48
+    assert read((first + 4, first + 44), first + 36, 16) == (first + 28, first + 44)  # cut around the match
+    assert read((first + 4, first + 44), first + 5, 16) == (first + 4, first + 20)  # and within the piece
+    assert read((first + 4, first + 44), None, 16) == (first + 16, first + 32)  # no match known: its middle
+    assert read((first + 4, first + 14), first + 8, 16) == (first + 1, first + 17)  # a shorter one is widened
+    assert read((first + 4, first + 44), first + 36, 0) == (turn_start, turn_start)  # no budget: none of it
+
+
+def test_the_model_reading_the_windows_piece_stays_within_the_limit(tmp_path, monkeypatch):
+    path = _coefficients(tmp_path, a=[0.0, 0.0, 0.0, 0.0, -3.0])
+    cfg = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(
+        update={"mode": "model", "coefficients": str(path)})})
+    from engramkv.retrieval import question
+
+    monkeypatch.setattr(question, "window_answers", lambda matched, recall: True)
+    for limit in (30, 45, 60, 90):
+        _, session = _session(cfg)
+        session.chat("1 2 3", max_new_tokens=2, budget_tokens=limit)
+        assert session.last_plan.events == () and session.last_plan.context_tokens <= limit
 
 
 def test_a_caller_theta_where_the_window_matches_better_reads_the_whole_window(tmp_path, monkeypatch):

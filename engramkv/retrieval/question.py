@@ -81,6 +81,7 @@ class QuestionMatch:
     scores: tuple[float, ...]  # the span score of every re-ranked candidate (what informativeness reads)
     window: float  # the best piece of the resident window, scored the same way (-inf: nothing to compare)
     window_piece: tuple[int, int] | None = None  # that piece: [start, end) in the resident keys (sinks first)
+    window_centre: int | None = None  # where in the resident keys the question matches that piece best
     keys: torch.Tensor | None = field(default=None, compare=False)  # (S, Hkv, C, D) the question's, as matched
     layers: tuple[int, ...] = ()  # the summary layers of `keys`
 
@@ -114,9 +115,9 @@ def assess(
     voted = _voted(recalled_per_layer, cfg)
     hits, scores = rank_question(memory, question_keys, layers, k, cfg.rerank_candidates, also=voted,
                                  neighbours=cfg.match_neighbours)
-    window, piece = window_score(memory, hits[: cfg.answer_hits], resident_keys, question_keys,
-                                 cfg.match_neighbours)
-    return QuestionMatch(tuple(hits), tuple(scores), window, piece, question_keys, tuple(layers))
+    window, piece, centre = window_score(memory, hits[: cfg.answer_hits], resident_keys, question_keys,
+                                         cfg.match_neighbours)
+    return QuestionMatch(tuple(hits), tuple(scores), window, piece, centre, question_keys, tuple(layers))
 
 
 def window_answers(matched: QuestionMatch, cfg: RecallConfig) -> bool:
@@ -183,19 +184,23 @@ def window_score(
     resident_keys: Sequence[torch.Tensor],  # (Hkv, R, D) per summary layer
     question_keys: torch.Tensor,  # (S, Hkv, C, D)
     neighbours: int,
-) -> tuple[float, tuple[int, int] | None]:
-    """The best score of a piece of the resident window, cut into pieces as long as the matched spans, and
-    where that piece lies ([start, end) in the resident keys): what the window offers, measured the way the
-    events were (-inf and None when there is nothing to compare)."""
+) -> tuple[float, tuple[int, int] | None, int | None]:
+    """The best score of a piece of the resident window, cut into pieces as long as the matched spans, where
+    that piece lies ([start, end) in the resident keys) and where in it the question matches (the median
+    position of the tokens that best match each question token at each layer, as `centred_parts` finds it
+    in a hit): what the window offers, measured the way the events were (-inf, None, None when there is
+    nothing to compare)."""
     if not matches or question_keys.shape[2] == 0 or resident_keys[0].shape[1] == 0:
-        return float("-inf"), None
+        return float("-inf"), None, None
     span_tokens = sum(memory.event(m).length for e, _ in matches for m in match_span(memory, e, neighbours))
     span_tokens = max(1, round(span_tokens / len(matches)))
     n_resident = resident_keys[0].shape[1]
     owner = torch.arange(n_resident) // span_tokens  # (R,)
     scores = token_match(resident_keys, owner, int(owner[-1]) + 1, question_keys)  # (pieces,)
     best = int(scores.argmax())
-    return float(scores[best]), (best * span_tokens, min(n_resident, (best + 1) * span_tokens))
+    start, end = best * span_tokens, min(n_resident, (best + 1) * span_tokens)
+    positions = best_positions([keys[:, start:end] for keys in resident_keys], question_keys)  # (S * C,)
+    return float(scores[best]), (start, end), start + int(positions.float().median())
 
 
 def _voted(recalled_per_layer: Iterable[list[int]], cfg: RecallConfig) -> list[int]:
