@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import CODE, RESULTS, ROOT, write_results
-from engramkv.config import ModelConfig
+from engramkv.config import EngineConfig, ModelConfig
 from engramkv.hf import load_pretrained
 from evalkit.stats import wilson
 from evalkit.systems import ALLOCATION_SYSTEMS, DEFAULT_SYSTEMS, OPTIONAL_SYSTEMS, SYSTEMS, Models, system_config
@@ -72,6 +72,11 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
                         help="with --resume or --merge: the runs of these systems whose reply was empty are run "
                              "again (after a change that moves only such replies, as generation.min_new_tokens "
                              "did: greedy decoding picks the same tokens wherever the first was not the stop token)")
+    parser.add_argument("--rerun-piece", nargs="+", default=[], metavar="SYSTEM",
+                        help="with --resume or --merge: the runs of these systems whose chosen theta read the "
+                             "window's best piece (the model's thetas of the whole window read only that piece) are "
+                             "run again (after a change that moves only such answers, as cutting a piece to its "
+                             "budget did)")
     return parser
 
 
@@ -84,9 +89,9 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         args.systems = list(dict.fromkeys(s for name in args.systems
                                           for s in (ALLOCATION_SYSTEMS if name == "allocation" else [name])))
 
-    unknown = sorted(set(args.rerun + args.rerun_empty) - set(SYSTEMS))
+    unknown = sorted(set(args.rerun + args.rerun_empty + args.rerun_piece) - set(SYSTEMS))
     if unknown:
-        raise SystemExit(f"--rerun / --rerun-empty: unknown systems {unknown}")
+        raise SystemExit(f"--rerun / --rerun-empty / --rerun-piece: unknown systems {unknown}")
     model, tokenizer, model_id = load_pretrained(ModelConfig(name_or_path=args.model))
     models = Models(model, tokenizer, model_id)
     runs, commands, notes = previous_runs(args.out / f"{args.name}.json", model_id) if args.resume else ([], [], {})
@@ -97,7 +102,8 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         runs += [r for r in merged if _key(r) not in done]
         commands += [c for c in merged_commands if c not in commands]
     runs = [r for r in runs if not (r["system"] in args.rerun and r.get("commit") != CODE["commit"])
-            and not (r["system"] in args.rerun_empty and not r["reply"].strip())]
+            and not (r["system"] in args.rerun_empty and not r["reply"].strip())
+            and not (r["system"] in args.rerun_piece and _read_piece(r))]
     command = " ".join(["python benchmarks/evaluate.py", *_argv(args)])
     if command not in commands:  # the same command run again (a resume, a merge) is listed once
         commands.append(command)
@@ -275,6 +281,16 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _read_piece(run: dict) -> bool:
+    """Whether a run's theta, chosen by the allocation model, read the window's best piece: the model chooses
+    a theta of the whole window only where the window answers, and then reads that piece of it
+    (`Answerer.window_piece_plan`). A fixed theta of the whole window reads all of it."""
+    config = system_config(run["system"])
+    engine = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config.get("engine", {}))
+    return (engine.allocation.mode != "fixed" and bool(run.get("theta"))  # "auto" chooses where coefficients ship
+            and run["theta"]["w"] >= engine.window.n_local)
+
+
 def _argv(args: argparse.Namespace) -> list[str]:
     """The evaluate.py arguments that give this grid (a preset such as passkey.py is spelt out)."""
     name = [] if args.name == "eval" else ["--name", args.name]
@@ -285,7 +301,9 @@ def _argv(args: argparse.Namespace) -> list[str]:
         return ["--quick", *name]
     return [*name, "--tasks", *args.tasks, "--systems", *args.systems, "--lengths", *map(str, args.lengths),
             "--samples", str(args.samples), "--full-max", str(args.full_max), *(["--resume"] if args.resume else []),
-            *(["--merge", *args.merge] if args.merge else []), *(["--rerun", *args.rerun] if args.rerun else [])]
+            *(["--merge", *args.merge] if args.merge else []), *(["--rerun", *args.rerun] if args.rerun else []),
+            *(["--rerun-empty", *args.rerun_empty] if args.rerun_empty else []),
+            *(["--rerun-piece", *args.rerun_piece] if args.rerun_piece else [])]
 
 
 if __name__ == "__main__":

@@ -63,6 +63,19 @@ def test_passkey_script_is_a_preset_of_the_harness():
     assert args.lengths == [8192] and args.out == _common.RESULTS / "passkey"
 
 
+def test_the_recorded_command_names_every_rerun_flag_and_a_piece_rerun_takes_only_the_models_piece_answers():
+    evaluate = passkey_preset.evaluate
+    argv = ["--name", "grid", "--tasks", "passkey", "--systems", "engram-alloc", "engram", "--lengths", "4096",
+            "--resume", "--rerun-empty", "engram", "--rerun-piece", "engram-alloc"]
+    assert evaluate._argv(evaluate.build_parser().parse_args(argv))[-4:] == ["--rerun-empty", "engram",
+                                                                              "--rerun-piece", "engram-alloc"]
+    whole, none = {"k": 2, "s": 32, "n": 2, "m": 0, "w": 1024}, {"k": 1, "s": 128, "n": 1, "m": 0, "w": 0}
+    assert evaluate._read_piece({"system": "engram-alloc-chat", "theta": whole})
+    assert not evaluate._read_piece({"system": "engram-alloc", "theta": none})
+    assert not evaluate._read_piece({"system": "engram", "theta": whole})  # a fixed theta reads the whole window
+    assert not evaluate._read_piece({"system": "rag", "theta": None})
+
+
 def test_passkey_sample_is_the_passkey_task_at_a_given_depth():
     tokenizer = CharTokenizer()
     context, prompt, key = _common.passkey_sample(tokenizer, 3000, depth=0.25, seed=7)
