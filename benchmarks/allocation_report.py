@@ -11,7 +11,8 @@ e.g. `--name allocation_a` and `--name allocation_b`); this merges their runs an
   and the samples better / worse (two-sided sign test), on both prompt paths;
 - against RAG per task and length, with the recall-versus-reading split (the share of expected answers
   that were in the events the answer read);
-- chat-path parity: the chat path's mean over the benchmark prompt's, per task and length (target >= 0.9).
+- chat-path parity: the chat path's mean over the benchmark prompt's, per task and length and per task over
+  all lengths (target >= 0.9), with the paired difference.
 
 It reads result files only (no model): run it after each resume.
 
@@ -184,18 +185,23 @@ def _against_rag(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], len
 def _parity(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], lengths: list[int]) -> list[str]:
     lines = ["", "## Chat-path parity", "",
              f"The chat path's mean score over the benchmark prompt's on the same samples (target >= {PARITY}; "
-             "`-`: both 0).", "", "| task | length | system | prompt | chat | ratio |", "|---|---|---|---|---|---|"]
+             "`-`: both 0), per task and length and per task over all lengths (`all`), with chat's paired "
+             "difference from the prompt path (95% bootstrap interval) and the samples chat answered better / "
+             "worse (two-sided sign test).", "",
+             "| task | length | system | prompt | chat | ratio | chat against prompt |", "|---|---|---|---|---|---|---|"]
     for system in ("engram-alloc", "engram-best", "engram"):
         prompt, chat = by.get(system, {}), by.get(f"{system}-chat", {})
         for task in tasks:
-            for length in lengths:
-                keys = sorted(k for k in prompt if k in chat and k[0] == task and k[1] == length)
+            for length in [*lengths, None]:  # None: every length of the task together
+                keys = sorted(k for k in prompt if k in chat and k[0] == task and length in (None, k[1]))
                 if not keys:
                     continue
                 p, c = _mean([prompt[k]["score"] for k in keys]), _mean([chat[k]["score"] for k in keys])
                 ratio = "-" if p == 0 and c == 0 else ("inf" if p == 0 else f"{c / p:.2f}")
                 flag = " (below)" if p > 0 and c / p < PARITY else ""
-                lines.append(f"| {task} | {length:,} | {system} | {p:.2f} ({len(keys)}) | {c:.2f} | {ratio}{flag} |")
+                where = "all" if length is None else f"{length:,}"
+                lines.append(f"| {task} | {where} | {system} | {p:.2f} ({len(keys)}) | {c:.2f} | {ratio}{flag} | "
+                             f"{_paired(chat, prompt, keys)} |")
     return lines
 
 

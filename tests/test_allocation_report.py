@@ -33,7 +33,9 @@ def test_the_report_merges_files_and_checks_the_targets(tmp_path):
     _write(tmp_path, "b", two)
     allocation_report.main(["--dir", str(tmp_path), "--names", "a", "b", "--name", "out"])
     md = (tmp_path / "out.md").read_text()
-    assert "| passkey | 4,096 | engram-alloc | 1.00 (20) | 0.80 | 0.80 (below) |" in md  # parity missed
+    assert "| passkey | 4,096 | engram-alloc | 1.00 (20) | 0.80 | 0.80 (below) | -0.200 (" in md  # parity missed
+    assert "| passkey | all | engram-alloc | 1.00 (20) | 0.80 | 0.80 (below) | -0.200 (" in md  # the task pooled
+    assert "; n 20); 0 / 4 (p 0.125) |" in md
     assert "| kv | 4,096 | 0.00 (3) |" in md  # three samples: short of 20
     assert "0.00 (3*; " in md
     lo, hi = paired_bootstrap([1.0] * 20, [1.0 if s < 10 else 0.0 for s in range(20)])
