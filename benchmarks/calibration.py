@@ -22,7 +22,7 @@ from pathlib import Path
 from _common import RESULTS, write_results
 from evalkit.stats import paired_bootstrap, sign_test, wilson
 from engramkv import EngineConfig, calibrate
-from engramkv.answering import coefficients_path
+from engramkv.retrieval.allocation import coefficients_path
 from engramkv.hf import DEFAULT_MODEL_ID
 
 

@@ -21,19 +21,17 @@ read, they join the stream.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from engramkv import chat
-from engramkv.config import AllocationConfig, EngineConfig
+from engramkv.config import EngineConfig
 from engramkv.engine.state import EpisodicState
-from engramkv.errors import ConfigError, InputError
+from engramkv.errors import InputError
 from engramkv.memory.events import EventMemory
 from engramkv.reading import Reader
 from engramkv.retrieval import allocation, question
@@ -167,8 +165,9 @@ class Answerer:
         return budget
 
     def default_limit(self, fixed_tokens: int, local_tokens: int) -> int | None:
-        """The model's limit where the caller gives none (`allocation.default_limit`): what the calibration's
-        best single theta would read for this question (it reads the window as calibrated: no piece)."""
+        """The model's limit on its choice where the caller gives none (`allocation.default_limit`): the
+        nominal cost of the calibration's best single theta for this question (it reads the window as
+        calibrated: no piece). What the chosen theta then reads is bounded by `best_fixed_read`."""
         if self.model is None or self.model.best_fixed is None or self.cfg.allocation.default_limit == "none":
             return None
         return self.cost_of(Theta(*self.model.best_fixed), fixed_tokens, local_tokens)
@@ -229,11 +228,18 @@ class Answerer:
         if theta.m:
             reader.flush(plan, token_ids=self.demonstration_ids[theta.m])
         piece = chosen and self.reads_piece(assessment)
+        if chosen and limit is None:  # the default limit, on what is read: what the best fixed theta reads
+            limit = self.best_fixed_read(assessment, theta, prompt_ids, span, turn_start, fixed, local)
         budget = self.memory_budget(theta, limit, fixed, local, piece)
         if piece:
             plan = self.window_piece_plan(assessment, theta, turn_start, budget)
         else:
             plan = self.plan(assessment, theta, prompt_ids, span, turn_start, budget)
+        return dataclasses.replace(plan, context_tokens=self.context_tokens(plan, theta, fixed, local, turn_start))
+
+    def context_tokens(self, plan: RecallPlan, theta: Theta, fixed: int, local: int, turn_start: int) -> int:
+        """The effective context an answer under `plan` attends to besides its reply: `fixed` (sinks and the
+        turn), the part of the `local` window read, the memory read and the demonstrations."""
         window = local if plan.window_from is None else min(local, turn_start - plan.window_from)
         if plan.window_gap is not None:
             window -= max(0, min(plan.window_gap[1], turn_start) - max(plan.window_gap[0], turn_start - window))
@@ -243,8 +249,21 @@ class Answerer:
             memory = sum(end - first for first, end in plan.event_tokens)
         else:
             memory = sum(self.memory.event(e).length for e in plan.events)
-        demonstrations = len(self.demonstration_ids[theta.m])
-        return dataclasses.replace(plan, context_tokens=fixed + window + memory + demonstrations)
+        return fixed + window + memory + len(self.demonstration_ids[theta.m])
+
+    def best_fixed_read(self, assessment: Assessment, theta: Theta, prompt_ids: list[int], span: tuple[int, int],
+                        turn_start: int, fixed: int, local: int) -> int | None:
+        """The effective context the calibration's best single theta reads for this question (None: no
+        default limit, or `theta` is that theta). The choice is made on the thetas' nominal costs
+        (`default_limit`); a theta may read less than its nominal cost (a hit near the start of memory, a
+        short event), so what the chosen theta reads is bounded by what the best one actually reads."""
+        if self.default_limit(fixed, local) is None:
+            return None
+        best = Theta(*self.model.best_fixed)  # type: ignore[union-attr, misc]  # default_limit checked both
+        if theta == best:
+            return None
+        plan = self.plan(assessment, best, prompt_ids, span, turn_start, self.memory_budget(best, None, fixed, local))
+        return self.context_tokens(plan, best, fixed, local, turn_start)
 
     # ------------------------------------------------------------------ the plan
     def plan(self, assessment: Assessment, theta: Theta, prompt_ids: list[int], span: tuple[int, int],
@@ -359,40 +378,3 @@ def allocate_turns(answerer: Answerer, reader: Reader, messages: Sequence[str], 
         raise InputError(f"total_tokens {total} cannot answer {len(turns)} questions: each needs at least "
                          f"{cheapest} effective context tokens")
     return [(theta, cost_of(theta)) for theta in thetas if theta is not None]
-
-
-SHIPPED = Path(__file__).parent / "coefficients"  # fitted by `engramkv calibrate`, one file per model
-
-
-def coefficients_path(model_id: str) -> Path:
-    """Where the coefficients shipped for `model_id` live (the file may not exist)."""
-    return SHIPPED / (model_id.replace("/", "--") + ".json")
-
-
-def allocation_model(cfg: AllocationConfig, model_id: str) -> AllocationModel | None:
-    """The fitted model mode "model" answers with (None in mode "fixed"), from `cfg.coefficients` or the
-    package's file for `model_id`; a missing, unreadable or other model's file is a ConfigError. Mode
-    "auto" without a file given, for a model none ships for, is "fixed" (None)."""
-    if cfg.mode == "fixed":
-        return None
-    path = Path(cfg.coefficients).expanduser() if cfg.coefficients else coefficients_path(model_id)
-    if cfg.mode == "auto" and not cfg.coefficients and not path.is_file():
-        return None
-    if not path.is_file():
-        raise ConfigError(f"allocation.mode 'model' needs fitted coefficients: no file {path}; "
-                          "fit them with `engramkv calibrate` and pass allocation.coefficients")
-    try:
-        data = json.loads(path.read_text())
-        model = AllocationModel(**data["model"])
-        fitted_for = data["model_id"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"{path} is not a coefficients file of `engramkv calibrate`: {err}") from err
-    if fitted_for != model_id:
-        raise ConfigError(f"{path} was fitted for {fitted_for}, this model is {model_id}; "
-                          "re-fit with `engramkv calibrate`")
-    ranges = [r for r in (model.low, model.high) if r is not None]
-    if (len(model.a) != len(allocation.PARAMETERS) or len(model.b) != len(allocation.PARAMETERS)
-            or any(len(row) != len(allocation.FEATURES) for row in [*model.b, *ranges])):
-        raise ConfigError(f"{path}: coefficients of another shape than theta {allocation.PARAMETERS} "
-                          f"by features {allocation.FEATURES}")
-    return model

@@ -25,7 +25,7 @@ from engramkv.errors import ConfigError, EmptyInputError, EngramError, InputErro
 from engramkv.memory.events import PersistentMemory
 from engramkv.reading import ProgressCallback, Reader
 from engramkv.results import Answer, IngestReport, RecalledEvent, SessionStats, recalled_events
-from engramkv.retrieval import question
+from engramkv.retrieval import allocation, question
 from engramkv.retrieval.allocation import Theta
 from engramkv.retrieval.question import RecallPlan
 from engramkv.spec import ModelSpec
@@ -68,7 +68,7 @@ class Session:
         self._busy = threading.Lock()
         self._closed = False
         self._answerer = answering.Answerer(self.state, memory, cfg, lm.tokenizer,
-                                            answering.allocation_model(cfg.allocation, lm.spec.model_id))
+                                            allocation.load_model(cfg.allocation, lm.spec.model_id))
         self._reader = Reader(self.state, memory, cfg)  # restores the stream from the memory's last commit
 
     # ------------------------------------------------------------------ persistence

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from engramkv import ConfigError, EngineConfig, InputError, Theta
-from engramkv.answering import DEMONSTRATIONS, Answerer, Assessment, allocation_model
+from engramkv.answering import DEMONSTRATIONS, Answerer, Assessment
 from engramkv.config import AllocationConfig, RecallConfig, SegmentationConfig, WindowConfig
 from engramkv.retrieval.allocation import FEATURES, PARAMETERS, AllocationModel
+from engramkv.retrieval.allocation import load_model as allocation_model
 from engramkv.retrieval.question import QuestionMatch, RecallPlan
 
 from conftest import VOCAB, tiny_pair
@@ -271,6 +272,28 @@ def test_the_model_reading_the_windows_piece_stays_within_the_limit(tmp_path, mo
         _, session = _session(cfg)
         session.chat("1 2 3", max_new_tokens=2, budget_tokens=limit)
         assert session.last_plan.events == () and session.last_plan.context_tokens <= limit
+
+
+def test_the_models_piece_reads_no_more_than_the_best_fixed_theta_does(tmp_path, monkeypatch):
+    # The best fixed theta's nominal 32 memory tokens, but with no neighbours it reads one event (<= 24
+    # tokens): the piece the model chooses (more of everything helps here) is bounded by that, not by 32.
+    path = _coefficients(tmp_path, a=[0.5, 0.5, 0.3, 0.0, 0.0], best_fixed=[1, 32, 1, 0, 0])
+    cfg = CFG.model_copy(update={
+        "recall": CFG.recall.model_copy(update={"max_neighbour_distance": 0, "match_neighbours": 0}),
+        "allocation": CFG.allocation.model_copy(update={"mode": "model", "coefficients": str(path), "tolerance": 0.0})})
+    from engramkv.retrieval import question
+
+    monkeypatch.setattr(question, "window_answers", lambda matched, recall: True)
+    _, session = _session(cfg)
+    session.chat("1 2 3", max_new_tokens=2)
+    chosen = session.last_plan
+    _, again = _session(cfg)
+    again.chat("1 2 3", max_new_tokens=2, theta=Theta(1, 32, 1, 0, 0))
+    best = again.last_plan  # what the best fixed theta reads for the same question
+    read = sum(end - first for first, end in best.event_tokens) if best.event_tokens else sum(
+        again.memory.event(e).length for e in best.events)
+    assert chosen.events == () and chosen.theta.w == 64 and 0 < read < 32
+    assert chosen.context_tokens <= best.context_tokens
 
 
 def test_a_caller_theta_where_the_window_matches_better_reads_the_whole_window(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engramkv import EngineConfig, InputError, Theta, calibrate
-from engramkv.answering import allocation_model
+from engramkv.retrieval.allocation import load_model as allocation_model
 from engramkv.calibration import design, fit_observations, refeature, run
 from engramkv.config import AllocationConfig, CalibrationConfig, RecallConfig, SegmentationConfig, WindowConfig
 from engramkv.retrieval import allocation

@@ -59,7 +59,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from engramkv import EngineConfig, EpisodicLM, Theta
-from engramkv.answering import coefficients_path
+from engramkv.retrieval.allocation import coefficients_path
 from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig, StoreConfig
 from engramkv.retrieval.question import match_span
 from engramkv.tasks import Sample

@@ -17,22 +17,24 @@ limit among many questions, each step of budget going to the question with the b
 token.
 
 `answering` uses it when `AllocationConfig.mode` is "model", or "auto" where coefficients ship; the
-coefficients come from `engramkv calibrate` (`calibration`), and those fitted for the embedded model ship
-in the package.
+coefficients come from `engramkv calibrate` (`calibration`), those fitted for the embedded model ship in
+the package, and `load_model` reads them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import BaseModel
 
 from engramkv.config import AllocationConfig
-from engramkv.errors import InputError
+from engramkv.errors import ConfigError, InputError
 
 PARAMETERS = ("k", "s", "n", "m", "w")
 FEATURES = ("margin", "entropy", "above", "window_margin", "i_doc")
@@ -294,3 +296,40 @@ def allocate(model: AllocationModel, grids: Sequence[Sequence[Theta]], infos: Se
         _, q, candidate = best
         spent += cost_of(candidate) - cost_of(chosen[q])  # type: ignore[arg-type]  # only held thetas move up
         chosen[q] = candidate
+
+
+SHIPPED = Path(__file__).resolve().parent.parent / "coefficients"  # fitted by `engramkv calibrate`, one file per model
+
+
+def coefficients_path(model_id: str) -> Path:
+    """Where the coefficients shipped for `model_id` live (the file may not exist)."""
+    return SHIPPED / (model_id.replace("/", "--") + ".json")
+
+
+def load_model(cfg: AllocationConfig, model_id: str) -> AllocationModel | None:
+    """The fitted model mode "model" answers with (None in mode "fixed"), from `cfg.coefficients` or the
+    package's file for `model_id`; a missing, unreadable or other model's file is a ConfigError. Mode
+    "auto" without a file given, for a model none ships for, is "fixed" (None)."""
+    if cfg.mode == "fixed":
+        return None
+    path = Path(cfg.coefficients).expanduser() if cfg.coefficients else coefficients_path(model_id)
+    if cfg.mode == "auto" and not cfg.coefficients and not path.is_file():
+        return None
+    if not path.is_file():
+        raise ConfigError(f"allocation.mode 'model' needs fitted coefficients: no file {path}; "
+                          "fit them with `engramkv calibrate` and pass allocation.coefficients")
+    try:
+        data = json.loads(path.read_text())
+        model = AllocationModel(**data["model"])
+        fitted_for = data["model_id"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{path} is not a coefficients file of `engramkv calibrate`: {err}") from err
+    if fitted_for != model_id:
+        raise ConfigError(f"{path} was fitted for {fitted_for}, this model is {model_id}; "
+                          "re-fit with `engramkv calibrate`")
+    ranges = [r for r in (model.low, model.high) if r is not None]
+    if (len(model.a) != len(PARAMETERS) or len(model.b) != len(PARAMETERS)
+            or any(len(row) != len(FEATURES) for row in [*model.b, *ranges])):
+        raise ConfigError(f"{path}: coefficients of another shape than theta {PARAMETERS} "
+                          f"by features {FEATURES}")
+    return model
