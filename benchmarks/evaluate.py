@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     unknown = sorted(set(args.rerun + args.rerun_empty + args.rerun_piece) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"--rerun / --rerun-empty / --rerun-piece: unknown systems {unknown}")
+    outside = sorted(set(args.rerun + args.rerun_empty + args.rerun_piece) - set(args.systems))
+    if outside:  # their runs would be dropped and never run again
+        raise SystemExit(f"--rerun / --rerun-empty / --rerun-piece: {outside} not in --systems")
     model, tokenizer, model_id = load_pretrained(ModelConfig(name_or_path=args.model))
     models = Models(model, tokenizer, model_id)
     runs, commands, notes = previous_runs(args.out / f"{args.name}.json", model_id) if args.resume else ([], [], {})
@@ -101,9 +104,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         done = {_key(r) for r in runs}
         runs += [r for r in merged if _key(r) not in done]
         commands += [c for c in merged_commands if c not in commands]
-    runs = [r for r in runs if not (r["system"] in args.rerun and r.get("commit") != CODE["commit"])
-            and not (r["system"] in args.rerun_empty and not r["reply"].strip())
-            and not (r["system"] in args.rerun_piece and _read_piece(r))]
+    runs = kept_runs(args, runs)
     command = " ".join(["python benchmarks/evaluate.py", *_argv(args)])
     if command not in commands:  # the same command run again (a resume, a merge) is listed once
         commands.append(command)
@@ -140,6 +141,22 @@ def run_grid(args: argparse.Namespace, models: Models, model_id: str, runs: list
                     print(f"{task:16s} {system:16s} {length:>7,} seed {seed}: score {runs[-1]['score']:.2f} "
                           f"reply {run.reply[:60]!r}", flush=True)
                     save(args, model_id, runs, commands)
+
+
+def kept_runs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`runs` less those --rerun, --rerun-empty and --rerun-piece ask to measure again. Only runs inside this
+    command's grid are dropped, since only those it runs again: `--tasks kv --rerun X` leaves X's runs of the
+    other tasks alone."""
+    def in_grid(run: dict[str, Any]) -> bool:
+        return (run["task"] in args.tasks and run["system"] in args.systems and run["length"] in args.lengths
+                and run["seed"] < args.samples)
+
+    def to_rerun(run: dict[str, Any]) -> bool:
+        return ((run["system"] in args.rerun and run.get("commit") != CODE["commit"])
+                or (run["system"] in args.rerun_empty and not run["reply"].strip())
+                or (run["system"] in args.rerun_piece and _read_piece(run)))
+
+    return [run for run in runs if not (in_grid(run) and to_rerun(run))]
 
 
 def _key(run: dict[str, Any]) -> tuple[str, str, int, int]:

@@ -129,7 +129,7 @@ def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
             (store / "ingested").write_text("")
         for theta in missing:
             with lm.session(answer_cfg, store=store, read_only=True) as session:
-                reply = session.chat(sample.question, max_new_tokens=cfg.calibration.max_new_tokens, theta=theta)
+                reply = session.chat(sample.chat_question, max_new_tokens=cfg.calibration.max_new_tokens, theta=theta)
                 plan = session.last_plan
             row = {"sample": _key(sample), "task": sample.task, "length": sample.length, "seed": sample.seed,
                    "theta": asdict(theta), "features": list(plan.features), "reply": reply,
@@ -164,7 +164,7 @@ def refeature(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: P
         with lm.session(answer_cfg, store=store) as session:
             for piece in sample.context:
                 session.ingest(piece)
-            session.chat(sample.question, max_new_tokens=1, theta=default)
+            session.chat(sample.chat_question, max_new_tokens=1, theta=default)
             features = list(session.last_plan.features)
         lm.close()
         shutil.rmtree(store, ignore_errors=True)

@@ -14,7 +14,8 @@ and what the evaluation (`benchmarks/evaluate.py`) measures. Each makes a `Sampl
 The haystack is natural English: Python's language reference (`pydoc_data.topics`, shipped with
 CPython), sections in a seeded random order, cut to length. Each sample ends with its benchmark's
 prompt (InfiniteBench's and RULER's templates: the question, then the answer begun for the model;
-the conversation asks as a next user turn). A sample is scored by the share of its expected answers
+the conversation asks as a next user turn). Asked through chat, a sample's question is typed as a user
+would (`Sample.chat_question`: the question itself, or for kv a sentence around its key). A sample is scored by the share of its expected answers
 that appear in the reply, cut first where it starts to repeat itself (`cut_repeats`).
 
 Seeds: the evaluation uses 0, 1, 2, ...; calibration starts at `CALIBRATION_SEEDS` so the two never share a
@@ -48,6 +49,12 @@ class Sample:
     question: str  # the part of `prompt` that asks (what engramkv matches against memory)
     answers: list[str]  # every one should appear in the reply
     meta: dict[str, Any] = field(default_factory=dict)
+    # The question as a user types it in a chat turn (`Session.chat`); `question` where that already is one.
+    # kv's `question` is InfiniteBench's bare 'Key: "..."' line, which asks nothing without the prompt around it.
+    chat_question: str = ""
+
+    def __post_init__(self) -> None:
+        self.chat_question = self.chat_question or self.question
 
     def score(self, reply: str) -> float:
         """Share of the expected answers in the reply, cut at its first repeat (`cut_repeats`)."""
@@ -128,7 +135,7 @@ def kv_retrieval(tokenizer: Tokenizer, length: int, seed: int) -> Sample:
     context = "Extract the value corresponding to the specified key in the JSON object below.\n\n" + json.dumps(pairs)
     question = f'Key: "{asked}"'
     return Sample("kv", length, seed, [context], f"\n\n{question}\nThe value associated with the specified key is:",
-                  question, [pairs[asked]])
+                  question, [pairs[asked]], chat_question=f'What is the value associated with the key "{asked}"?')
 
 
 # ---------------------------------------------------------------------------------------------- RULER NIAH

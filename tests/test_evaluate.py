@@ -76,6 +76,18 @@ def test_the_recorded_command_names_every_rerun_flag_and_a_piece_rerun_takes_onl
     assert not evaluate._read_piece({"system": "rag", "theta": None})
 
 
+def test_a_rerun_narrowed_to_some_tasks_keeps_the_runs_outside_them():
+    evaluate = passkey_preset.evaluate
+    args = evaluate.build_parser().parse_args(["--tasks", "kv", "--systems", "engram-chat", "rag", "--lengths",
+                                               "4096", "--samples", "2", "--resume", "--rerun", "engram-chat"])
+    old = {"system": "engram-chat", "length": 4096, "seed": 0, "reply": "x", "theta": None, "commit": "0" * 40}
+    runs = [{**old, "task": "kv"}, {**old, "task": "passkey"}, {**old, "task": "kv", "seed": 2},
+            {**old, "task": "kv", "length": 8192}, {**old, "task": "kv", "system": "rag"}]
+    assert evaluate.kept_runs(args, runs) == runs[1:]  # only kv 4k seeds 0-1 of engram-chat run again
+    with pytest.raises(SystemExit, match="not in --systems"):
+        evaluate.main(["--systems", "rag", "--resume", "--rerun", "engram-chat"])
+
+
 def test_passkey_sample_is_the_passkey_task_at_a_given_depth():
     tokenizer = CharTokenizer()
     context, prompt, key = _common.passkey_sample(tokenizer, 3000, depth=0.25, seed=7)
@@ -123,6 +135,7 @@ def test_every_task_makes_a_sample_of_about_its_length_with_its_answers_in_it(de
         text = "".join(sample.context)
         n = len(tokenizer.encode(text + sample.prompt, add_special_tokens=False))
         assert sample.question in sample.prompt and text == text.rstrip(), name  # no lone trailing space token
+        assert sample.chat_question.endswith("?"), name  # asked through chat as a user asks it
         assert 0.85 * length <= n <= 1.1 * length, (name, n)
         assert sample.answers and all(answer in text for answer in sample.answers), name
         assert sample.score(" and ".join(sample.answers)) == 1.0 and sample.score("no idea") == 0.0

@@ -314,7 +314,7 @@ def _engram_answer(models: Models, sample: Sample, session: Any, ingest: float, 
     before = _resident_text(models, session)  # the stream as the question finds it
     t0 = time.perf_counter()
     if chat_path:
-        stream = session.chat(sample.question, stream=True, max_new_tokens=MAX_NEW_TOKENS, theta=theta)
+        stream = session.chat(sample.chat_question, stream=True, max_new_tokens=MAX_NEW_TOKENS, theta=theta)
     else:
         stream = session.generate(sample.prompt, MAX_NEW_TOKENS, question=sample.question, stream=True,
                                   theta=theta)
