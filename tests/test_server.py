@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from engramkv import EngineConfig  # noqa: E402
+from engramkv import ConfigError, EngineConfig  # noqa: E402
 from engramkv.config import RecallConfig, SegmentationConfig, StoreConfig, WindowConfig  # noqa: E402
 from engramkv.server.app import create_app  # noqa: E402
 
@@ -202,6 +202,38 @@ def test_a_real_server_answers_the_second_question_without_loading_the_model_aga
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_at_most_max_open_sessions_stay_open_and_a_closed_one_reopens_where_it_stopped(tmp_path):
+    _, lm = tiny_pair("llama", CFG)
+    with TestClient(create_app(lm, tmp_path / "store", max_open=2)) as c:
+        before = []
+        for i in range(3):
+            c.post(f"/v1/namespaces/u{i}/default/s/ingest", json={"text": _text(150, seed=i)})
+            before.append(c.get(f"/v1/namespaces/u{i}/default/s/stats").json())
+            assert c.get("/v1/health").json()["open_sessions"] == min(i + 1, 2)
+        after = c.get("/v1/namespaces/u0/default/s/stats").json()  # u0 was closed for u2, and opens again
+        assert (after["tokens"], after["events"]) == (before[0]["tokens"], before[0]["events"]) and after["events"]
+        assert c.get("/v1/health").json()["open_sessions"] == 2
+
+
+def test_a_session_in_use_is_not_closed_for_another(tmp_path):
+    from engramkv.server.app import Sessions
+
+    _, lm = tiny_pair("llama", CFG)
+    sessions = Sessions(lm, tmp_path / "store", max_open=1)
+    a, b, c = ("a", "default", "s"), ("b", "default", "s"), ("c", "default", "s")
+    with sessions.lock(a):
+        first = sessions.get(a)
+        with sessions.lock(b):
+            sessions.get(b)  # a is busy: both stay open
+        assert sessions.count() == 2 and sessions.get(a) is first
+    with sessions.lock(c):
+        sessions.get(c)  # a and b are idle now: both close
+    assert sessions.count() == 1
+    sessions.close()
+    with pytest.raises(ConfigError, match="at least 1"):
+        Sessions(lm, tmp_path / "store", max_open=0)
 
 
 def test_first_requests_to_many_namespaces_at_once_open_one_store(client):

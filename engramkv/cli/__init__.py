@@ -336,9 +336,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loopback = ["127.0.0.1", "localhost", "::1"]
     if args.host not in loopback and token is None:
         raise ConfigError(f"serving on {args.host} reaches other machines: give --token (or set ENGRAMKV_API_TOKEN)")
+    if args.max_open < 1:
+        raise ConfigError(f"--max-open must be at least 1, not {args.max_open}")
     lm = _model(args)
     app = create_app(lm, args.store, token, files_root=args.files_root,
-                     allowed_hosts=loopback if args.host in loopback else None)
+                     allowed_hosts=loopback if args.host in loopback else None, max_open=args.max_open)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

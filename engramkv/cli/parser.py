@@ -157,6 +157,9 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
                    "TOKEN' (default: $ENGRAMKV_API_TOKEN; required off localhost)")
     p.add_argument("--files-root", default=None, metavar="DIR", help="the directory whose files an ingest request "
                    "may name by path (default: none; requests send text)")
+    p.add_argument("--max-open", type=int, default=8, metavar="N", help="namespaces held open at once (default 8; "
+                   "each keeps its window and its hot and warm tiers in RAM): a request to another closes the one "
+                   "used least recently, committed, and its next request reopens it")
     p.add_argument("--store", default=DEFAULT_STORE, help=f"store directory (default {DEFAULT_STORE})")
     p.add_argument("--model", default=None,
                    help="hub id or local path of a Llama/Qwen2/Mistral model (default: the embedded one)")

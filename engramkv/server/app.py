@@ -3,8 +3,8 @@
 Every namespace of one store is reachable at /v1/namespaces/{user}/{agent}/{session}/...: ingest (text or a
 file, with NDJSON progress when streamed), chat (the reply streamed as plain text, or JSON with what the
 answer read), recall, stats; /v1/namespaces lists and deletes. A namespace's session is opened on its first
-request and kept (a chat turn joins its stream, as in the TUI); its requests run one at a time (a lock per
-namespace), different namespaces side by side (FastAPI runs these handlers on its thread pool, and each
+request and kept (a chat turn joins its stream, as in the TUI) while it is among the `max_open` used last; its
+requests run one at a time (a lock per namespace), different namespaces side by side (FastAPI runs these handlers on its thread pool, and each
 forward pass carries its own engine state). The exception tree maps onto status codes (`STATUS`); FastAPI
 writes the OpenAPI schema (/openapi.json, /docs). With a token, every request must carry
 `Authorization: Bearer TOKEN`.
@@ -17,6 +17,7 @@ import json
 import queue
 import secrets
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -84,14 +85,21 @@ class RecallRequest(BaseModel):
 class Health(BaseModel):
     model: str
     store: str
+    open_sessions: int = Field(description="Namespaces held open (each with its window and hot/warm tiers).")
 
 
 class Sessions:
-    """One open session per namespace, and the lock its requests take turns on."""
+    """One open session per namespace, and the lock its requests take turns on. At most `max_open` sessions
+    stay open: opening another closes the least recently used one that no request holds (a close commits it;
+    its next request reopens it where it stopped). Each open session keeps its resident window and its own hot
+    and warm tiers (up to 768 MiB by default), so a server reached by many users would otherwise grow without
+    bound. Where every open session is busy, the table runs over `max_open` until one is free."""
 
-    def __init__(self, lm: EpisodicLM, store: Path):
-        self.lm, self.store = lm, store
-        self._open: dict[Names, Session] = {}
+    def __init__(self, lm: EpisodicLM, store: Path, max_open: int):
+        if max_open < 1:
+            raise ConfigError(f"max_open must be at least 1, not {max_open}")
+        self.lm, self.store, self.max_open = lm, store, max_open
+        self._open: OrderedDict[Names, Session] = OrderedDict()  # least recently used first
         self._locks: dict[Names, threading.Lock] = {}
         self._guard = threading.Lock()  # over the two dicts
         self._opening = threading.Lock()  # one session opens at a time: the first also opens the store
@@ -104,13 +112,41 @@ class Sessions:
         """The namespace's session (call with its lock held)."""
         with self._guard:
             session = self._open.get(names)
+            if session is not None:
+                self._open.move_to_end(names)
         if session is None:
             with self._opening:
                 session = self.lm.session(store=self.store, user_id=names[0], agent_id=names[1],
                                           session_id=names[2])
             with self._guard:
                 self._open[names] = session
+            self._close_idle(keep=names)
         return session
+
+    def count(self) -> int:
+        with self._guard:
+            return len(self._open)
+
+    def _close_idle(self, keep: Names) -> None:
+        """Close the least recently used sessions beyond `max_open` whose lock is free. The caller holds `keep`'s
+        lock; the others are only tried (never waited for), so two threads closing at once cannot deadlock."""
+        with self._guard:
+            excess, candidates = len(self._open) - self.max_open, [n for n in self._open if n != keep]
+        for names in candidates:
+            if excess <= 0:
+                return
+            lock = self.lock(names)
+            if not lock.acquire(blocking=False):  # a request is using it
+                continue
+            try:
+                with self._guard:
+                    session = self._open.pop(names, None)
+                if session is not None:
+                    with self._opening:  # a close changes the store's table of open namespaces, as an open does
+                        session.close()
+                    excess -= 1
+            finally:
+                lock.release()
 
     def event_store(self) -> EventStore:
         """The store (opened once, like the sessions: the model's table of open stores is not thread-safe)."""
@@ -122,7 +158,8 @@ class Sessions:
             with self._guard:
                 session = self._open.pop(names, None)
             if session is not None:
-                session.close()
+                with self._opening:
+                    session.close()
             self.event_store().delete_namespace(*names)  # NamespaceError where there is none
 
     def close(self) -> None:
@@ -134,12 +171,13 @@ class Sessions:
 
 
 def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None, files_root: str | Path | None = None,
-               allowed_hosts: list[str] | None = None) -> FastAPI:
+               allowed_hosts: list[str] | None = None, max_open: int = 8) -> FastAPI:
     """The API over `store`, answering with `lm`. `token`: required of every request when given. `files_root`:
     the directory whose files `ingest` may read by path (None: none; a path would let any client read any
     file of the server's). `allowed_hosts`: the Host headers accepted (a page in a browser on this machine
-    can reach localhost under a name it controls: DNS rebinding)."""
-    sessions = Sessions(lm, Path(store).expanduser())
+    can reach localhost under a name it controls: DNS rebinding). `max_open`: namespaces held open at once
+    (`Sessions`)."""
+    sessions = Sessions(lm, Path(store).expanduser(), max_open)
     root = None if files_root is None else Path(files_root).expanduser().resolve()
 
     @asynccontextmanager
@@ -169,7 +207,7 @@ def create_app(lm: EpisodicLM, store: str | Path, token: str | None = None, file
 
     @app.get("/v1/health", response_model=Health)
     def health() -> Health:
-        return Health(model=lm.spec.model_id, store=str(sessions.store))
+        return Health(model=lm.spec.model_id, store=str(sessions.store), open_sessions=sessions.count())
 
     @app.get("/v1/namespaces", response_model=list[NamespaceInfo])
     def list_namespaces() -> list[NamespaceInfo]:
