@@ -15,8 +15,9 @@ The haystack is natural English: Python's language reference (`pydoc_data.topics
 CPython), sections in a seeded random order, cut to length. Each sample ends with its benchmark's
 prompt (InfiniteBench's and RULER's templates: the question, then the answer begun for the model;
 the conversation asks as a next user turn). Asked through chat, a sample's question is typed as a user
-would (`Sample.chat_question`: the question itself, or for kv a sentence around its key). A sample is scored by the share of its expected answers
-that appear in the reply, cut first where it starts to repeat itself (`cut_repeats`).
+would (`Sample.chat_question`: the question itself, or for kv a sentence around its key). A sample is
+scored by the share of its expected answers that appear in the reply, cut first where it starts to repeat
+itself (`cut_repeats`).
 
 Seeds: the evaluation uses 0, 1, 2, ...; calibration starts at `CALIBRATION_SEEDS` so the two never share a
 sample.

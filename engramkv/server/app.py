@@ -4,8 +4,8 @@ Every namespace of one store is reachable at /v1/namespaces/{user}/{agent}/{sess
 file, with NDJSON progress when streamed), chat (the reply streamed as plain text, or JSON with what the
 answer read), recall, stats; /v1/namespaces lists and deletes. A namespace's session is opened on its first
 request and kept (a chat turn joins its stream, as in the TUI) while it is among the `max_open` used last; its
-requests run one at a time (a lock per namespace), different namespaces side by side (FastAPI runs these handlers on its thread pool, and each
-forward pass carries its own engine state). The exception tree maps onto status codes (`STATUS`); FastAPI
+requests run one at a time (a lock per namespace), different namespaces side by side (FastAPI runs these
+handlers on its thread pool, and each forward pass carries its own engine state). The exception tree maps onto status codes (`STATUS`); FastAPI
 writes the OpenAPI schema (/openapi.json, /docs). With a token, every request must carry
 `Authorization: Bearer TOKEN`.
 """
