@@ -144,3 +144,50 @@ def test_writers_of_two_namespaces_and_six_readers_share_one_store(tmp_path, pg_
     out, err = after.communicate(timeout=120)
     assert out.startswith("opened"), out + err
 
+
+
+def test_processes_starting_on_a_new_store_at_once_all_open_the_one_store_created(tmp_path, pg_url, monkeypatch):
+    """Four openers of a new shared store, each held at a barrier until all four are about to open its catalog
+    (or 3 s have passed: the barrier then lets everyone through). Without the store's opening lock all four
+    create its tables and its record at the same moment and some of them fail; with it one creates the store
+    and the others open it, and directory and catalog name the same store."""
+    import json
+    import threading
+
+    from conftest import tiny_pair
+
+    from engramkv import EngineConfig
+    from engramkv.config import StoreConfig
+    from engramkv.storage import catalog
+    from engramkv.storage.store import EventStore
+
+    _, lm = tiny_pair("llama", EngineConfig.model_validate_json(CONFIG.replace("CATALOG", json.dumps(pg_url))))
+    cfg = StoreConfig(codec="int8", catalog_url=pg_url)
+    real, barrier = catalog.open_catalog, threading.Barrier(4)
+
+    def open_in_step(url, writable=True):
+        try:
+            barrier.wait(timeout=3)
+        except threading.BrokenBarrierError:  # the others are waiting for this one's lock
+            pass
+        return real(url, writable)
+
+    monkeypatch.setattr(catalog, "open_catalog", open_in_step)
+    stores, errors = [], []
+
+    def open_store(read_only: bool) -> None:
+        try:
+            stores.append(EventStore(tmp_path / "store", lm.spec, cfg, read_only=read_only))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=open_store, args=(False,)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and len(stores) == 4, errors
+    assert (tmp_path / "store" / "STORE_ID").read_text() == catalog.store_info(stores[0].db).store_uuid
+    for store in stores:
+        store.close()
+    EventStore(tmp_path / "store", lm.spec, cfg, read_only=True).close()  # and it opens again

@@ -14,12 +14,17 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import create_engine
+
 from engramkv.errors import StoreLockedError
 
-# The first key of every engramkv advisory lock ("ekv"); the second is the namespace's catalog id.
+# The first key of every engramkv advisory lock ("ekv"); the second is the namespace's catalog id, or 0 (ids
+# start at 1) for opening the store itself.
 ADVISORY_KEY = 0x656B76
 
 
@@ -52,8 +57,7 @@ class NamespaceLock:
     SQLAlchemy Engine, outside its pool: a server holding many namespaces must not starve the pool)."""
 
     def __init__(self, db: Any, ns_id: int, label: str):
-        cargs, cparams = db.dialect.create_connect_args(db.url)
-        self._conn: Any = db.dialect.connect(*cargs, **cparams)  # a DBAPI connection
+        self._conn: Any = _connect(db)
         me = f"engramkv pid {os.getpid()} on {socket.gethostname()}"[:63]  # application_name holds 63 bytes
         self._keys = (ADVISORY_KEY, ns_id)
         try:
@@ -85,3 +89,26 @@ class NamespaceLock:
             except Exception:  # noqa: BLE001 - a connection already lost has released the lock with it
                 pass
             self._conn = None
+
+
+@contextmanager
+def opening_shared_store(url: str) -> Iterator[None]:
+    """Held while a store with a PostgreSQL catalog (`url`) is opened: processes started at once on a new store
+    all find it missing, and only one may create its tables, STORE_ID, bases and catalog record (the others
+    then open what it made). Opens of an existing store take turns for the few queries of their checks."""
+    engine = create_engine(url)  # for its dialect's connection arguments; it never connects
+    conn = _connect(engine)
+    engine.dispose()
+    try:
+        cursor = conn.cursor()
+        cursor.execute("SELECT pg_advisory_lock(%s, 0)", (ADVISORY_KEY,))  # waits for the creator before
+        conn.commit()
+        yield
+    finally:
+        conn.close()  # the server releases the lock with the connection
+
+
+def _connect(db: Any) -> Any:
+    """A DBAPI connection of its own to `db`'s server (a SQLAlchemy Engine), outside the engine's pool."""
+    cargs, cparams = db.dialect.create_connect_args(db.url)
+    return db.dialect.connect(*cargs, **cparams)

@@ -22,6 +22,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,7 @@ from engramkv.storage import lowrank
 from engramkv.storage.codec import LayerCodec, QuantCodec
 from engramkv.storage.lowrank_codec import LowRankCodec
 from engramkv.storage.durable import dir_bytes, replace_durably
-from engramkv.storage.locks import DirectoryLock, NamespaceLock
+from engramkv.storage.locks import DirectoryLock, NamespaceLock, opening_shared_store
 from engramkv.storage.namespace import NamespaceMemory
 
 BASES_FILE = "LOWRANK_BASES"
@@ -102,9 +103,12 @@ class EventStore:
                 self._lock = DirectoryLock(self.path)
         self._open: dict[int, NamespaceMemory] = {}
         try:
-            self.db = cat.open_catalog(cfg.catalog_url or f"sqlite:///{self.path / 'catalog.sqlite'}",
-                                       writable=not read_only)
-            self.codec = self._check_fingerprint()
+            url = cfg.catalog_url or f"sqlite:///{self.path / 'catalog.sqlite'}"
+            # Processes started at once on a new shared store must not all create it (a SQLite catalog's writer
+            # holds the directory's lock already, and its readers need a store that exists).
+            with opening_shared_store(url) if self.shared else nullcontext():
+                self.db = cat.open_catalog(url, writable=not read_only)
+                self.codec = self._check_fingerprint()
             self.kv_codec = self._layer_codec(self.codec)
         except BaseException:  # a store that cannot be opened must not stay locked by this process
             if hasattr(self, "db"):
