@@ -191,3 +191,36 @@ def test_processes_starting_on_a_new_store_at_once_all_open_the_one_store_create
     for store in stores:
         store.close()
     EventStore(tmp_path / "store", lm.spec, cfg, read_only=True).close()  # and it opens again
+
+
+def test_a_namespace_deleted_before_its_writer_locks_it_is_created_anew(tmp_path, pg_url, monkeypatch):
+    """A writer looks its namespace up, another process deletes it, then the writer takes its lock: the writer
+    must not write into the deleted one (its rows are gone) but into a namespace created again."""
+    import json
+
+    from conftest import tiny_pair
+
+    from engramkv import EngineConfig
+    from engramkv.config import StoreConfig
+    from engramkv.storage import catalog
+    from engramkv.storage import store as store_module
+    from engramkv.storage.store import EventStore
+
+    _, lm = tiny_pair("llama", EngineConfig.model_validate_json(CONFIG.replace("CATALOG", json.dumps(pg_url))))
+    cfg = StoreConfig(codec="int8", catalog_url=pg_url)
+    writer, other = EventStore(tmp_path / "store", lm.spec, cfg), EventStore(tmp_path / "store", lm.spec, cfg)
+    writer.namespace("alice", summary_layers=[0]).close()
+    real, deleted = store_module.NamespaceLock, []
+
+    def deleted_first(db, ns_id, label):
+        if not deleted:  # between the writer's lookup and its lock
+            deleted.append(ns_id)
+            other.delete_namespace("alice")
+        return real(db, ns_id, label)
+
+    monkeypatch.setattr(store_module, "NamespaceLock", deleted_first)
+    memory = writer.namespace("alice", summary_layers=[0])
+    assert memory.ns_id != deleted[0] and catalog.namespace_state(writer.db, memory.ns_id) is not None
+    memory.close()
+    writer.close()
+    other.close()

@@ -202,6 +202,9 @@ class EventStore:
             raise StoreError(f"namespace {'/'.join(names)} is already open in this process (one stream, one session)")
         if self.shared and not self.read_only:
             self._namespace_locks[ns_id] = NamespaceLock(self.db, ns_id, f"{'/'.join(names)} of {self.path}")
+            if cat.namespace_state(self.db, ns_id) is None:  # another process deleted it before this one locked it
+                self._release(ns_id)
+                return self.namespace(*names, summary_layers=summary_layers, device=device, dtype=dtype)
         try:
             memory = NamespaceMemory(self, ns_id, torch.device(device), dtype, list(summary_layers))
         except BaseException:
