@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def main() -> None:
         old_tree, ids_path = Path(scratch) / "baseline", Path(scratch) / "ids.json"
         ids_path.write_text(json.dumps(ids))
         git("worktree", "add", "--detach", str(old_tree), baseline)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still removes the worktree (finally)
         try:
             for round_ in range(args.rounds):
                 order = ["baseline", "this"] if round_ % 2 == 0 else ["this", "baseline"]
