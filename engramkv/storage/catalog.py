@@ -24,26 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import (
-    BigInteger,
-    DateTime,
-    Float,
-    ForeignKey,
-    Integer,
-    String,
-    Text,
-    UniqueConstraint,
-    column,
-    create_engine,
-    delete,
-    event,
-    func,
-    insert,
-    inspect,
-    select,
-    table,
-    text,
-)
+from sqlalchemy import (BigInteger, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint, column,
+                        create_engine, delete, event, func, insert, inspect, select, table, text)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -226,6 +208,14 @@ def _reading(db: Engine) -> Iterator[Session]:
             yield session
         except (UnicodeDecodeError, ValueError, TypeError, KeyError) as err:
             raise _damaged_catalog(db, f"a row cannot be read: {err}") from err
+
+
+def server_connection(url: str) -> Any:
+    """A DBAPI connection of its own to the catalog server at `url`, outside any pool (a lock's: `locks`)."""
+    engine = create_engine(url)  # for its dialect's connection arguments: it never connects itself
+    cargs, cparams = engine.dialect.create_connect_args(engine.url)
+    engine.dispose()
+    return engine.dialect.connect(*cargs, **cparams)
 
 
 def describe(db: Engine) -> str:

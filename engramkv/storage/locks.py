@@ -19,8 +19,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine
-
 from engramkv.errors import StoreLockedError
 
 # The first key of every engramkv advisory lock ("ekv"); the second is the namespace's catalog id, or 0 (ids
@@ -57,7 +55,8 @@ class NamespaceLock:
     SQLAlchemy Engine, outside its pool: a server holding many namespaces must not starve the pool)."""
 
     def __init__(self, db: Any, ns_id: int, label: str):
-        self._conn: Any = _connect(db)
+        cargs, cparams = db.dialect.create_connect_args(db.url)
+        self._conn: Any = db.dialect.connect(*cargs, **cparams)  # a DBAPI connection
         me = f"engramkv pid {os.getpid()} on {socket.gethostname()}"[:63]  # application_name holds 63 bytes
         self._keys = (ADVISORY_KEY, ns_id)
         try:
@@ -92,13 +91,11 @@ class NamespaceLock:
 
 
 @contextmanager
-def opening_shared_store(url: str) -> Iterator[None]:
-    """Held while a store with a PostgreSQL catalog (`url`) is opened: processes started at once on a new store
-    all find it missing, and only one may create its tables, STORE_ID, bases and catalog record (the others
-    then open what it made). Opens of an existing store take turns for the few queries of their checks."""
-    engine = create_engine(url)  # for its dialect's connection arguments; it never connects
-    conn = _connect(engine)
-    engine.dispose()
+def opening_shared_store(conn: Any) -> Iterator[None]:
+    """Held while a store with a PostgreSQL catalog is opened, on `conn` (a DBAPI connection of its own, closed
+    at the end): processes started at once on a new store all find it missing, and only one may create its
+    tables, STORE_ID, bases and catalog record (the others then open what it made). Opens of an existing store
+    take turns for the few queries of their checks."""
     try:
         cursor = conn.cursor()
         cursor.execute("SELECT pg_advisory_lock(%s, 0)", (ADVISORY_KEY,))  # waits for the creator before
@@ -106,9 +103,3 @@ def opening_shared_store(url: str) -> Iterator[None]:
         yield
     finally:
         conn.close()  # the server releases the lock with the connection
-
-
-def _connect(db: Any) -> Any:
-    """A DBAPI connection of its own to `db`'s server (a SQLAlchemy Engine), outside the engine's pool."""
-    cargs, cparams = db.dialect.create_connect_args(db.url)
-    return db.dialect.connect(*cargs, **cparams)

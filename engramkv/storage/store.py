@@ -106,7 +106,7 @@ class EventStore:
             url = cfg.catalog_url or f"sqlite:///{self.path / 'catalog.sqlite'}"
             # Processes started at once on a new shared store must not all create it (a SQLite catalog's writer
             # holds the directory's lock already, and its readers need a store that exists).
-            with opening_shared_store(url) if self.shared else nullcontext():
+            with opening_shared_store(cat.server_connection(url)) if self.shared else nullcontext():
                 self.db = cat.open_catalog(url, writable=not read_only)
                 self.codec = self._check_fingerprint()
             self.kv_codec = self._layer_codec(self.codec)
