@@ -125,9 +125,7 @@ def run_grid(args: argparse.Namespace, models: Models, model_id: str, runs: list
     for length in sorted(args.lengths):
         for task in args.tasks:
             for seed in range(args.samples):
-                todo = [s for s in args.systems if (task, s, length, seed) not in done
-                        and not (s == "full" and length > args.full_max)
-                        and not (s == "full-around-fact" and task != "facts")]  # a ceiling of that task only
+                todo = [s for s in args.systems if (task, s, length, seed) not in done and _runs(args, task, s, length)]
                 if not todo:
                     continue
                 sample = TASKS[task](tokenizer, length, seed)
@@ -149,7 +147,7 @@ def kept_runs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict
     other tasks alone."""
     def in_grid(run: dict[str, Any]) -> bool:
         return (run["task"] in args.tasks and run["system"] in args.systems and run["length"] in args.lengths
-                and run["seed"] < args.samples)
+                and run["seed"] < args.samples and _runs(args, run["task"], run["system"], run["length"]))
 
     def to_rerun(run: dict[str, Any]) -> bool:
         return ((run["system"] in args.rerun and run.get("commit") != CODE["commit"])
@@ -157,6 +155,11 @@ def kept_runs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict
                 or (run["system"] in args.rerun_piece and _read_piece(run)))
 
     return [run for run in runs if not (in_grid(run) and to_rerun(run))]
+
+
+def _runs(args: argparse.Namespace, task: str, system: str, length: int) -> bool:
+    """Whether the grid runs `system` on `task` at `length` at all."""
+    return not (system == "full" and length > args.full_max) and not (system == "full-around-fact" and task != "facts")
 
 
 def _key(run: dict[str, Any]) -> tuple[str, str, int, int]:

@@ -93,6 +93,7 @@ def main() -> None:
                     print(f"round {round_ + 1} {side}: bare {result['bare_s']:.1f} s, "
                           f"engine {result['engine_s']:.1f} s, {result['events']} events", flush=True)
         finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second kill must not stop the removal
             git("worktree", "remove", "--force", str(old_tree))
 
     def median(side: str, key: str) -> float:

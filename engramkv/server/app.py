@@ -5,15 +5,16 @@ file, with NDJSON progress when streamed), chat (the reply streamed as plain tex
 answer read), recall, stats; /v1/namespaces lists and deletes. A namespace's session is opened on its first
 request and kept (a chat turn joins its stream, as in the TUI) while it is among the `max_open` used last; its
 requests run one at a time (a lock per namespace), different namespaces side by side (FastAPI runs these
-handlers on its thread pool, and each forward pass carries its own engine state). The exception tree maps onto status codes (`STATUS`); FastAPI
-writes the OpenAPI schema (/openapi.json, /docs). With a token, every request must carry
-`Authorization: Bearer TOKEN`.
+handlers on its thread pool, and each forward pass carries its own engine state). The exception tree maps onto
+status codes (`STATUS`); FastAPI writes the OpenAPI schema (/openapi.json, /docs). With a token, every request
+must carry `Authorization: Bearer TOKEN`.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import queue
 import secrets
 import threading
@@ -57,6 +58,7 @@ STATUS: list[tuple[type[EngramError], int]] = [
 ]
 
 Names = tuple[str, str, str]
+log = logging.getLogger(__name__)
 
 
 class IngestRequest(BaseModel):
@@ -93,7 +95,8 @@ class Sessions:
     stay open: opening another closes the least recently used one that no request holds (a close commits it;
     its next request reopens it where it stopped). Each open session keeps its resident window and its own hot
     and warm tiers (up to 768 MiB by default), so a server reached by many users would otherwise grow without
-    bound. Where every open session is busy, the table runs over `max_open` until one is free."""
+    bound. Where every other open session is busy, the table runs over `max_open` until a later open finds
+    one idle."""
 
     def __init__(self, lm: EpisodicLM, store: Path, max_open: int):
         if max_open < 1:
@@ -131,20 +134,21 @@ class Sessions:
         """Close the least recently used sessions beyond `max_open` whose lock is free. The caller holds `keep`'s
         lock; the others are only tried (never waited for), so two threads closing at once cannot deadlock."""
         with self._guard:
-            excess, candidates = len(self._open) - self.max_open, [n for n in self._open if n != keep]
+            candidates = [n for n in self._open if n != keep]
         for names in candidates:
-            if excess <= 0:
-                return
             lock = self.lock(names)
             if not lock.acquire(blocking=False):  # a request is using it
                 continue
             try:
                 with self._guard:
+                    if len(self._open) <= self.max_open:  # counted again: another open may have closed one
+                        return
                     session = self._open.pop(names, None)
                 if session is not None:
                     with self._opening:  # a close changes the store's table of open namespaces, as an open does
                         session.close()
-                    excess -= 1
+            except EngramError as err:  # its last commit stands; the request that opened another is not at fault
+                log.warning("closing the idle session %s failed: %s", "/".join(names), err)
             finally:
                 lock.release()
 
@@ -164,7 +168,8 @@ class Sessions:
 
     def close(self) -> None:
         with self._guard:
-            sessions, self._open = list(self._open.values()), {}
+            sessions = list(self._open.values())
+            self._open.clear()
         for session in sessions:
             session.close()
         self.lm.close()

@@ -24,6 +24,7 @@ from engramkv.errors import StoreLockedError
 # The first key of every engramkv advisory lock ("ekv"); the second is the namespace's catalog id, or 0 (ids
 # start at 1) for opening the store itself.
 ADVISORY_KEY = 0x656B76
+OPEN_WAIT_S = 120  # the longest an opener of a shared store waits for another process opening it
 
 
 class DirectoryLock:
@@ -98,7 +99,12 @@ def opening_shared_store(conn: Any) -> Iterator[None]:
     take turns for the few queries of their checks."""
     try:
         cursor = conn.cursor()
-        cursor.execute("SELECT pg_advisory_lock(%s, 0)", (ADVISORY_KEY,))  # waits for the creator before
+        cursor.execute(f"SET lock_timeout = '{OPEN_WAIT_S}s'")  # a holder stuck on a stalled mount must not hang all
+        try:
+            cursor.execute("SELECT pg_advisory_lock(%s, 0)", (ADVISORY_KEY,))  # waits while another opens it
+        except Exception as err:  # noqa: BLE001 - the driver's lock-timeout error; which class is the driver's
+            raise StoreLockedError(f"another process has been opening this store for {OPEN_WAIT_S} s ({err}); "
+                                   "try again, or find the process stuck opening it") from err
         conn.commit()
         yield
     finally:

@@ -195,23 +195,25 @@ class EventStore:
         """
         names = (check_name("user_id", user_id), check_name("agent_id", agent_id),
                  check_name("session_id", session_id))
-        ns_id = cat.get_or_create_namespace(self.db, names, create=not self.read_only)
-        if ns_id is None:
-            raise NamespaceError(f"no namespace {'/'.join(names)} in {self.path}")
-        if ns_id in self._open:
-            raise StoreError(f"namespace {'/'.join(names)} is already open in this process (one stream, one session)")
-        if self.shared and not self.read_only:
-            self._namespace_locks[ns_id] = NamespaceLock(self.db, ns_id, f"{'/'.join(names)} of {self.path}")
-            if cat.namespace_state(self.db, ns_id) is None:  # another process deleted it before this one locked it
+        while True:  # again only if another process deleted the namespace between its lookup and its lock
+            ns_id = cat.get_or_create_namespace(self.db, names, create=not self.read_only)
+            if ns_id is None:
+                raise NamespaceError(f"no namespace {'/'.join(names)} in {self.path}")
+            if ns_id in self._open:
+                raise StoreError(f"namespace {'/'.join(names)} is already open in this process (one stream, one "
+                                 "session)")
+            try:
+                if self.shared and not self.read_only:
+                    self._namespace_locks[ns_id] = NamespaceLock(self.db, ns_id, f"{'/'.join(names)} of {self.path}")
+                    if cat.namespace_state(self.db, ns_id) is None:
+                        self._release(ns_id)
+                        continue
+                memory = NamespaceMemory(self, ns_id, torch.device(device), dtype, list(summary_layers))
+            except BaseException:
                 self._release(ns_id)
-                return self.namespace(*names, summary_layers=summary_layers, device=device, dtype=dtype)
-        try:
-            memory = NamespaceMemory(self, ns_id, torch.device(device), dtype, list(summary_layers))
-        except BaseException:
-            self._release(ns_id)
-            raise
-        self._open[ns_id] = memory
-        return memory
+                raise
+            self._open[ns_id] = memory
+            return memory
 
     def _release(self, ns_id: int) -> None:
         """Called by `NamespaceMemory.close`: the namespace may be opened (or deleted) again."""
