@@ -4,15 +4,24 @@ released by the server. Runs against the test PostgreSQL server (tests/conftest.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from conftest import tiny_pair
+
+from engramkv import EngineConfig
+from engramkv.config import StoreConfig
+from engramkv.storage import catalog
+from engramkv.storage import store as store_module
+from engramkv.storage.store import EventStore
 
 HERE = Path(__file__).resolve().parent
 CONFIG = ('{"window": {"chunk_size": 32, "n_sink": 8, "n_local": 64}, "recall": {"budget_tokens": 64}, '
@@ -145,22 +154,11 @@ def test_writers_of_two_namespaces_and_six_readers_share_one_store(tmp_path, pg_
     assert out.startswith("opened"), out + err
 
 
-
 def test_processes_starting_on_a_new_store_at_once_all_open_the_one_store_created(tmp_path, pg_url, monkeypatch):
     """Four openers of a new shared store, each held at a barrier until all four are about to open its catalog
     (or 3 s have passed: the barrier then lets everyone through). Without the store's opening lock all four
     create its tables and its record at the same moment and some of them fail; with it one creates the store
     and the others open it, and directory and catalog name the same store."""
-    import json
-    import threading
-
-    from conftest import tiny_pair
-
-    from engramkv import EngineConfig
-    from engramkv.config import StoreConfig
-    from engramkv.storage import catalog
-    from engramkv.storage.store import EventStore
-
     _, lm = tiny_pair("llama", EngineConfig.model_validate_json(CONFIG.replace("CATALOG", json.dumps(pg_url))))
     cfg = StoreConfig(codec="int8", catalog_url=pg_url)
     real, barrier = catalog.open_catalog, threading.Barrier(4)
@@ -175,13 +173,13 @@ def test_processes_starting_on_a_new_store_at_once_all_open_the_one_store_create
     monkeypatch.setattr(catalog, "open_catalog", open_in_step)
     stores, errors = [], []
 
-    def open_store(read_only: bool) -> None:
+    def open_store() -> None:
         try:
-            stores.append(EventStore(tmp_path / "store", lm.spec, cfg, read_only=read_only))
+            stores.append(EventStore(tmp_path / "store", lm.spec, cfg))
         except Exception as err:  # noqa: BLE001 - reported below
             errors.append(err)
 
-    threads = [threading.Thread(target=open_store, args=(False,)) for _ in range(4)]
+    threads = [threading.Thread(target=open_store) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -196,16 +194,6 @@ def test_processes_starting_on_a_new_store_at_once_all_open_the_one_store_create
 def test_a_namespace_deleted_before_its_writer_locks_it_is_created_anew(tmp_path, pg_url, monkeypatch):
     """A writer looks its namespace up, another process deletes it, then the writer takes its lock: the writer
     must not write into the deleted one (its rows are gone) but into a namespace created again."""
-    import json
-
-    from conftest import tiny_pair
-
-    from engramkv import EngineConfig
-    from engramkv.config import StoreConfig
-    from engramkv.storage import catalog
-    from engramkv.storage import store as store_module
-    from engramkv.storage.store import EventStore
-
     _, lm = tiny_pair("llama", EngineConfig.model_validate_json(CONFIG.replace("CATALOG", json.dumps(pg_url))))
     cfg = StoreConfig(codec="int8", catalog_url=pg_url)
     writer, other = EventStore(tmp_path / "store", lm.spec, cfg), EventStore(tmp_path / "store", lm.spec, cfg)
