@@ -22,6 +22,7 @@ from evalkit.systems import (  # noqa: E402
     _engram_answer,
     _read_texts,
     _resident_text,
+    reply_tokens,
     system_config,
 )
 
@@ -95,6 +96,20 @@ def test_passkey_sample_is_the_passkey_task_at_a_given_depth():
     assert (context, prompt, key) == (sample.context[0], sample.prompt, sample.answers[0])
     assert abs(sample.meta["depth"] - 0.25) < 0.05 and key in context
     assert TASKS["passkey"](tokenizer, 3000, 7).answers == [key]  # the seed chooses the key either way
+
+
+@pytest.mark.parametrize("task", ["passkey", "kv", "niah-single", "niah-multikey", "niah-multivalue",
+                                  "niah-multiquery", "conversation"])
+def test_a_reply_has_room_to_restate_its_question_and_give_every_answer(default_lm, task):
+    tokenizer = default_lm.tokenizer
+    for seed in range(3):
+        sample = TASKS[task](tokenizer, 4096, seed)
+        room = reply_tokens(tokenizer, sample)
+        restated = f"{sample.chat_question} {' '.join(sample.answers)}"
+        assert room >= len(tokenizer.encode(restated, add_special_tokens=False))
+        # kv's question and answer are two UUIDs (35 tokens each): a flat 64 cut its chat replies; the other
+        # tasks keep the 64 their grid runs were made with.
+        assert (room > 80) if task == "kv" else (room == 64)
 
 
 @pytest.fixture

@@ -64,7 +64,8 @@ from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig, 
 from engramkv.retrieval.question import match_span
 from engramkv.tasks import Sample
 
-MAX_NEW_TOKENS = 64  # a UUID is ~30 tokens, four 7-digit numbers as a list ~45
+MAX_NEW_TOKENS = 64  # at least; four 7-digit numbers as a list ~45 tokens
+REPLY_GLUE_TOKENS = 16  # the words of a reply besides the question it restates and the answers
 RAG_CHUNK_TOKENS = 256
 RAG_BUDGET_TOKENS = 1024  # chunks retrieved: this many tokens' worth (4 chunks)
 
@@ -190,11 +191,24 @@ class _Clock(BaseStreamer):
         pass
 
 
-def plain_generate(models: Models, prompt_ids: list[int]) -> tuple[str, float, float]:
+def reply_tokens(tokenizer: Any, sample: Sample) -> int:
+    """The most tokens a reply to `sample` may take: room to restate the question, give every expected answer
+    and a few words between (`REPLY_GLUE_TOKENS`), and never less than `MAX_NEW_TOKENS`. The model answers a
+    chat question by restating it: "The value associated with the key "<UUID>" is <UUID>" is ~80 tokens (a
+    UUID is 35), so a flat 64 cut every such kv reply before its value. Every other task's samples stay at 64
+    (their question and answers take 11-64 tokens together)."""
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    needed = count(sample.chat_question) + sum(count(answer) for answer in sample.answers) + REPLY_GLUE_TOKENS
+    return max(MAX_NEW_TOKENS, needed)
+
+
+def plain_generate(models: Models, prompt_ids: list[int], max_new_tokens: int) -> tuple[str, float, float]:
     """Greedy decoding with plain transformers: (reply, seconds to first token, decode tokens/s)."""
     clock = _Clock()
     with torch.inference_mode():
-        out = models.plain.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+        out = models.plain.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                                     streamer=clock)
     new = out[0, len(prompt_ids) :]
     token_times = clock.calls[1:]  # calls[0] is the prompt
@@ -219,7 +233,8 @@ def system(name: str) -> Callable[[SystemFn], SystemFn]:
 def full_attention(models: Models, sample: Sample) -> Run:
     context = context_ids(models.tokenizer, sample)
     with RssSampler() as rss:
-        reply, first, decode = plain_generate(models, context + prompt_ids(models.tokenizer, sample))
+        reply, first, decode = plain_generate(models, context + prompt_ids(models.tokenizer, sample),
+                                                   reply_tokens(models.tokenizer, sample))
     return Run(reply, len(context), 0.0, first, decode, rss.peak, rss.start)
 
 
@@ -238,7 +253,7 @@ def full_around_fact(models: Models, sample: Sample) -> Run:
     after = tokenizer.encode(context[at + len(fact) :], add_special_tokens=False)[:side]
     ids = before + fact_ids + after
     with RssSampler() as rss:
-        reply, first, decode = plain_generate(models, ids + prompt_ids(tokenizer, sample))
+        reply, first, decode = plain_generate(models, ids + prompt_ids(tokenizer, sample), reply_tokens(tokenizer, sample))
     return Run(reply, len(ids), 0.0, first, decode, rss.peak, rss.start)
 
 
@@ -260,7 +275,7 @@ def rag(models: Models, sample: Sample, chunk_tokens: int = RAG_CHUNK_TOKENS, bu
         context = "\n\n".join(chunks[i] for i in sorted(found[0].tolist()))
         ids_in = tokenizer.encode(context, add_special_tokens=False) + prompt_ids(tokenizer, sample)
         retrieval = time.perf_counter() - t0
-        reply, first, decode = plain_generate(models, ids_in)
+        reply, first, decode = plain_generate(models, ids_in, reply_tokens(tokenizer, sample))
     return Run(reply, len(ids), ingest, retrieval + first, decode, rss.peak, rss.start)
 
 
@@ -312,11 +327,12 @@ def _engram_answer(models: Models, sample: Sample, session: Any, ingest: float, 
                    chat_path: bool = False, theta: Theta | None = None) -> Run:
     """Ask the sample's question in `session` (which has read its context) and close the session."""
     before = _resident_text(models, session)  # the stream as the question finds it
+    room = reply_tokens(models.tokenizer, sample)
     t0 = time.perf_counter()
     if chat_path:
-        stream = session.chat(sample.chat_question, stream=True, max_new_tokens=MAX_NEW_TOKENS, theta=theta)
+        stream = session.chat(sample.chat_question, stream=True, max_new_tokens=room, theta=theta)
     else:
-        stream = session.generate(sample.prompt, MAX_NEW_TOKENS, question=sample.question, stream=True,
+        stream = session.generate(sample.prompt, room, question=sample.question, stream=True,
                                   theta=theta)
     pieces, first = [], 0.0
     for piece in stream:
@@ -463,7 +479,8 @@ def system_config(name: str) -> Any:
                 "ingest": "one in-RAM stream per sample, shared by the question-time systems (Session.fork)"}
     if name in VARIANTS:
         return VARIANTS[name]
-    plain = {"kind": "plain transformers, greedy", "max_new_tokens": MAX_NEW_TOKENS}
+    plain = {"kind": "plain transformers, greedy", "max_new_tokens": f"reply_tokens: at least {MAX_NEW_TOKENS}, "
+             f"the question, the answers and {REPLY_GLUE_TOKENS} more"}
     if name == "full-around-fact":
         plain |= {"tokens_around_fact": AROUND_FACT_TOKENS}
     if name == "rag":
