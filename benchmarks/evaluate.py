@@ -141,6 +141,11 @@ def run_grid(args: argparse.Namespace, models: Models, model_id: str, runs: list
                     save(args, model_id, runs, commands)
 
 
+def length_label(tokens: int) -> str:
+    """A context length as a column head: 4096 -> "4k", 512 -> "512"."""
+    return f"{tokens // 1024}k" if tokens >= 1024 else str(tokens)
+
+
 def kept_runs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`runs` less those --rerun, --rerun-empty and --rerun-piece ask to measure again. Only runs inside this
     command's grid are dropped, since only those it runs again: `--tasks kv --rerun X` leaves X's runs of the
@@ -200,7 +205,7 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
         lines += [f"Runs without a `commit` in {args.name}.json ran before commits were recorded; the file was "
                         f"added in commit {notes['commit_of_file'][:7]}.", ""]
     for task in tasks:
-        lines += [f"## {task}", "", "| system | " + " | ".join(f"{n // 1024}k" for n in lengths) + " |",
+        lines += [f"## {task}", "", "| system | " + " | ".join(length_label(n) for n in lengths) + " |",
                   "|---|" + "---|" * len(lengths)]
         for system in systems:
             cells = []
@@ -272,7 +277,7 @@ def plot_accuracy(path: Path, tasks: list[str], systems: list[str], lengths: lis
                         markersize=5, linewidth=1.2, alpha=0.85, label=system)
         ax.set_title(task)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
+        ax.set_xticks(lengths, [length_label(n) for n in lengths])
         ax.set_ylim(-0.08, 1.08)
         ax.set_xlabel("context tokens")
     for ax in list(axes.flat)[len(tasks):]:
