@@ -129,7 +129,8 @@ def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
             (store / "ingested").write_text("")
         for theta in missing:
             with lm.session(answer_cfg, store=store, read_only=True) as session:
-                reply = session.chat(sample.chat_question, max_new_tokens=cfg.calibration.max_new_tokens, theta=theta)
+                room = sample.reply_tokens(lm.tokenizer, cfg.calibration.max_new_tokens)
+                reply = session.chat(sample.chat_question, max_new_tokens=room, theta=theta)
                 plan = session.last_plan
             row = {"sample": _key(sample), "task": sample.task, "length": sample.length, "seed": sample.seed,
                    "theta": asdict(theta), "features": list(plan.features), "reply": reply,

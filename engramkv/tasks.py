@@ -57,12 +57,25 @@ class Sample:
     def __post_init__(self) -> None:
         self.chat_question = self.chat_question or self.question
 
+    def reply_tokens(self, tokenizer: Tokenizer, at_least: int) -> int:
+        """The most tokens a reply may take: room to restate the question, give every expected answer and a
+        few words between (`REPLY_GLUE_TOKENS`), and never fewer than `at_least`. The model answers a chat
+        question by restating it: 'The value associated with the key "<UUID>" is <UUID>' is ~80 tokens (a
+        UUID is 35), so a flat 64 cut every such kv reply before its value. The other tasks' questions and
+        answers take 11-64 tokens together, so they keep a limit of 64."""
+        def count(text: str) -> int:
+            return len(tokenizer.encode(text, add_special_tokens=False))
+
+        needed = count(self.chat_question) + sum(count(answer) for answer in self.answers) + REPLY_GLUE_TOKENS
+        return max(at_least, needed)
+
     def score(self, reply: str) -> float:
         """Share of the expected answers in the reply, cut at its first repeat (`cut_repeats`)."""
         reply = cut_repeats(reply)
         return sum(answer in reply for answer in self.answers) / len(self.answers)
 
 
+REPLY_GLUE_TOKENS = 16  # the words of a reply besides the question it restates and the answers
 CALIBRATION_SEEDS = 100_000  # calibration samples use seeds from here on; the evaluation's stay below
 _SENTENCE = re.compile(r"[^.!?\n]*[.!?\n]+|[^.!?\n]+$")
 

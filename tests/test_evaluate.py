@@ -29,7 +29,7 @@ from evalkit.systems import (  # noqa: E402
 from engramkv import EngineConfig, Theta  # noqa: E402
 from engramkv.config import SegmentationConfig, WindowConfig  # noqa: E402
 from engramkv.retrieval.question import RecallPlan  # noqa: E402
-from engramkv.tasks import TASKS  # noqa: E402
+from engramkv.tasks import TASKS, Sample  # noqa: E402
 
 
 class CharTokenizer:
@@ -196,7 +196,7 @@ def test_what_an_answer_read_is_its_sinks_the_window_it_attended_and_the_memory_
 
 def test_an_engramkv_run_records_its_theta_context_and_what_it_read_each_in_its_field():
     session, ids, models = _tiny_session(seed=1)
-    sample = type("Sample", (), {"question": "1 2 3", "prompt": "1 2 3", "answers": [str(ids[-1])]})
+    sample = Sample("test", len(ids), 0, [], prompt="1 2 3", question="1 2 3", answers=[str(ids[-1])])
     with RssSampler() as rss:
         run = _engram_answer(models, sample, session, 0.0, rss, theta=Theta(1, 16, 1, 0, 64))
     assert run.theta == {"k": 1, "s": 16, "n": 1, "m": 0, "w": 64}

@@ -62,10 +62,9 @@ from engramkv import EngineConfig, EpisodicLM, Theta
 from engramkv.retrieval.allocation import coefficients_path
 from engramkv.config import RecallConfig, RefinementConfig, SegmentationConfig, StoreConfig
 from engramkv.retrieval.question import match_span
-from engramkv.tasks import Sample
+from engramkv.tasks import REPLY_GLUE_TOKENS, Sample
 
 MAX_NEW_TOKENS = 64  # at least; four 7-digit numbers as a list ~45 tokens
-REPLY_GLUE_TOKENS = 16  # the words of a reply besides the question it restates and the answers
 RAG_CHUNK_TOKENS = 256
 RAG_BUDGET_TOKENS = 1024  # chunks retrieved: this many tokens' worth (4 chunks)
 
@@ -192,16 +191,8 @@ class _Clock(BaseStreamer):
 
 
 def reply_tokens(tokenizer: Any, sample: Sample) -> int:
-    """The most tokens a reply to `sample` may take: room to restate the question, give every expected answer
-    and a few words between (`REPLY_GLUE_TOKENS`), and never less than `MAX_NEW_TOKENS`. The model answers a
-    chat question by restating it: "The value associated with the key "<UUID>" is <UUID>" is ~80 tokens (a
-    UUID is 35), so a flat 64 cut every such kv reply before its value. Every other task's samples stay at 64
-    (their question and answers take 11-64 tokens together)."""
-    def count(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
-
-    needed = count(sample.chat_question) + sum(count(answer) for answer in sample.answers) + REPLY_GLUE_TOKENS
-    return max(MAX_NEW_TOKENS, needed)
+    """The most tokens a reply to `sample` may take (`Sample.reply_tokens`, at least `MAX_NEW_TOKENS`)."""
+    return sample.reply_tokens(tokenizer, MAX_NEW_TOKENS)
 
 
 def plain_generate(models: Models, prompt_ids: list[int], max_new_tokens: int) -> tuple[str, float, float]:
@@ -253,7 +244,8 @@ def full_around_fact(models: Models, sample: Sample) -> Run:
     after = tokenizer.encode(context[at + len(fact) :], add_special_tokens=False)[:side]
     ids = before + fact_ids + after
     with RssSampler() as rss:
-        reply, first, decode = plain_generate(models, ids + prompt_ids(tokenizer, sample), reply_tokens(tokenizer, sample))
+        reply, first, decode = plain_generate(models, ids + prompt_ids(tokenizer, sample),
+                                              reply_tokens(tokenizer, sample))
     return Run(reply, len(ids), 0.0, first, decode, rss.peak, rss.start)
 
 
@@ -480,7 +472,7 @@ def system_config(name: str) -> Any:
     if name in VARIANTS:
         return VARIANTS[name]
     plain = {"kind": "plain transformers, greedy", "max_new_tokens": f"reply_tokens: at least {MAX_NEW_TOKENS}, "
-             f"the question, the answers and {REPLY_GLUE_TOKENS} more"}
+             f"the question, the answers and {REPLY_GLUE_TOKENS} more (Sample.reply_tokens)"}
     if name == "full-around-fact":
         plain |= {"tokens_around_fact": AROUND_FACT_TOKENS}
     if name == "rag":
