@@ -248,8 +248,7 @@ class CalibrationConfig(_Strict):
     design_seed: int = 0
     holdout: int = Field(default=4, ge=2, description="Folds of the cross-validation over samples: each sample's "
                          "answers are predicted, and chosen for, by a fit without its fold.")
-    max_new_tokens: int = Field(default=64, ge=1, description="Reply tokens at least; more where restating the "
-                                "question and giving every answer takes more (`Sample.reply_tokens`: kv's UUIDs).")
+    max_new_tokens: int = Field(default=64, ge=1, description="Reply tokens, at least (`Sample.reply_tokens`).")
 
 
 class GenerationConfig(_Strict):
