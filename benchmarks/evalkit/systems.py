@@ -225,7 +225,7 @@ def full_attention(models: Models, sample: Sample) -> Run:
     context = context_ids(models.tokenizer, sample)
     with RssSampler() as rss:
         reply, first, decode = plain_generate(models, context + prompt_ids(models.tokenizer, sample),
-                                                   reply_tokens(models.tokenizer, sample))
+                                              reply_tokens(models.tokenizer, sample))
     return Run(reply, len(context), 0.0, first, decode, rss.peak, rss.start)
 
 
