@@ -9,6 +9,7 @@ configuration used (`config`: the `EngineConfig` dump, or one per system), the m
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
 import shlex
@@ -74,7 +75,9 @@ def code_state() -> dict[str, Any]:
     The results folder is left out of `dirty`: a long run rewrites its own files as it goes.
     """
     status = _git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
-    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+    # a copy of the tree without .git (the device machine's) is told its commit by whoever sent it
+    commit = _git("rev-parse", "HEAD") or os.environ.get("ENGRAMKV_COMMIT")
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
 def command_line() -> str:

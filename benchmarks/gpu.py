@@ -30,6 +30,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import traceback
 import sys
 import time
 import warnings
@@ -255,25 +256,38 @@ def main() -> None:
     except ImportError:
         report["triton"] = None
     if not args.skip_tests:
-        report["kernel_tests"] = kernel_tests(device)
-    report["kernels"] = kernel_timings(shape, cfg, device, dtype, repeats, 200 if args.smoke else 25_000, args.smoke)
+        _section(report, "kernel_tests", lambda: kernel_tests(device))
+    _section(report, "kernels", lambda: kernel_timings(shape, cfg, device, dtype, repeats,
+                                                        200 if args.smoke else 25_000, args.smoke))
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**shape)).to(device, dtype).eval()
     bare = copy.deepcopy(model)
-    lm = EpisodicLM(model, _Ids(shape["vocab_size"]), "random-" + ("toy" if args.smoke else "smollm2-135m-shape"), cfg)
     bare_s = bare_window_chunk_s(bare, cfg, shape["vocab_size"], device, repeats)
-    session, run = ingest(lm, cfg, tokens, shape["vocab_size"], args.ingest_seconds, device)
-    run["bare_tokens_per_s"] = cfg.window.chunk_size / bare_s
-    run["ratio_to_bare"] = run["tokens_per_s"] / run["bare_tokens_per_s"]
-    run["ten_million_minutes"] = 10_000_000 / run["tokens_per_s"] / 60
-    report["ingest"] = run
-    print(run, flush=True)
-    step = decode_step_s(session, shape["vocab_size"], new=8 if args.smoke else 33)
-    full = full_attention_step_s(bare, 4096, shape["vocab_size"], device, repeats)
-    report["decode"] = {"memory_tokens": run["tokens"], "step_s": step, "full_attention_4k_step_s": full,
-                        "ratio": step / full}
-    print(report["decode"], flush=True)
+    session = None
+    # if the engine fails with the kernels, its twins on the same GPU still measure the rest of the path
+    for kernels in ("auto", "torch"):
+        run_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"kernels": kernels})})
+        lm = EpisodicLM(model, _Ids(shape["vocab_size"]), "random-" + ("toy" if args.smoke else "smollm2-135m-shape"),
+                        run_cfg)
+        outcome = _section(report, f"ingest_{kernels}", lambda: ingest(lm, run_cfg, tokens, shape["vocab_size"],
+                                                                       args.ingest_seconds, device))
+        if outcome is not None:
+            session, run = outcome
+            run.update(kernels=kernels, bare_tokens_per_s=cfg.window.chunk_size / bare_s)
+            run["ratio_to_bare"] = run["tokens_per_s"] / run["bare_tokens_per_s"]
+            run["ten_million_minutes"] = 10_000_000 / run["tokens_per_s"] / 60
+            report["ingest"] = report.pop(f"ingest_{kernels}")[1]
+            print(run, flush=True)
+            break
+    if session is not None:
+        def decode() -> dict[str, Any]:
+            step = decode_step_s(session, shape["vocab_size"], new=8 if args.smoke else 33)
+            full = full_attention_step_s(bare, 4096, shape["vocab_size"], device, repeats)
+            return {"memory_tokens": report["ingest"]["tokens"], "step_s": step, "full_attention_4k_step_s": full,
+                    "ratio": step / full}
+        _section(report, "decode", decode)
+        print(report.get("decode"), flush=True)
 
     table = _table(report, cfg)
     print(table)
@@ -286,27 +300,49 @@ def main() -> None:
     print("wrote", *written)
 
 
+def _section(report: dict[str, Any], key: str, fn: Callable[[], Any]) -> Any:
+    """report[key] = fn(); a failure is recorded there (the traceback) and the run goes on to the next section."""
+    try:
+        report[key] = fn()
+        return report[key]
+    except Exception:  # noqa: BLE001 - one device run must bring back every section it can
+        report[key] = {"error": traceback.format_exc()[-4000:]}
+        print(f"{key} FAILED:\n{report[key]['error']}", flush=True)
+        return None
+
+
 def _table(report: dict[str, Any], cfg: EngineConfig) -> str:
-    run, decode = report["ingest"], report["decode"]
+    errors = {key: value["error"].strip().splitlines()[-1] for key, value in report.items()
+              if isinstance(value, dict) and "error" in value}
+    run, decode = report.get("ingest"), report.get("decode")
     lines = [f"# GPU path ({report['device']}, torch {report['torch']}, triton {report['triton']}"
              f"{', SMOKE RUN: toy sizes, not a measurement' if report['smoke'] else ''})", ""]
-    if "kernel_tests" in report:
+    if "summary" in report.get("kernel_tests", {}):
         lines += [f"Kernel tests: {report['kernel_tests']['summary']}", ""]
-    lines += ["| kernel | Triton ms | twin ms | twin / Triton | other |", "|---|---|---|---|---|"]
-    for row in report["kernels"]:
-        other = "; ".join(f"{k[:-2]} {v * 1e3:.3f} ms" for k, v in row.items() if k.endswith("_s")
-                          and k not in ("triton_s", "twin_s"))
-        lines.append(f"| {row['kernel']} | {row['triton_s'] * 1e3:.3f} | {row['twin_s'] * 1e3:.3f} | "
-                     f"{row['twin_s'] / row['triton_s']:.2f}x | {other} |")
-    measured = "measured on all of them" if run["complete"] else "measured on these, stopped at the time limit"
-    lines += ["", f"Ingest of {run['tokens']:,} tokens ({measured}; chunks of {cfg.window.chunk_size}): "
-              f"{run['tokens_per_s']:,.0f} tokens/s, {run['events']:,} events; the bare forward over the same "
-              f"window ({cfg.attention_span()} keys): {run['bare_tokens_per_s']:,.0f} tokens/s; **ratio "
-              f"{run['ratio_to_bare']:.2f}**. 10M tokens at this rate (extrapolated): "
-              f"{run['ten_million_minutes']:.1f} min. Host synchronisations per chunk: {run['host_syncs_per_chunk']}.",
-              "", f"Decode with {decode['memory_tokens']:,} tokens of memory: {decode['step_s'] * 1e3:.1f} ms per "
-              f"step; full attention over 4k tokens: {decode['full_attention_4k_step_s'] * 1e3:.1f} ms; **ratio "
-              f"{decode['ratio']:.2f}**.", ""]
+    if isinstance(report.get("kernels"), list):
+        lines += ["| kernel | Triton ms | twin ms | twin / Triton | other |", "|---|---|---|---|---|"]
+        for row in report["kernels"]:
+            other = "; ".join(f"{k[:-2]} {v * 1e3:.3f} ms" for k, v in row.items() if k.endswith("_s")
+                              and k not in ("triton_s", "twin_s"))
+            lines.append(f"| {row['kernel']} | {row['triton_s'] * 1e3:.3f} | {row['twin_s'] * 1e3:.3f} | "
+                         f"{row['twin_s'] / row['triton_s']:.2f}x | {other} |")
+    if run is not None:
+        measured = "measured on all of them" if run["complete"] else "measured on these, stopped at the time limit"
+        kernels = f"model.kernels='{run['kernels']}'" + ("" if run["kernels"] == "auto" else " (under 'auto' it failed)")
+        lines += ["", f"Ingest of {run['tokens']:,} tokens with {kernels} ({measured}; chunks of "
+                  f"{cfg.window.chunk_size}): {run['tokens_per_s']:,.0f} tokens/s, {run['events']:,} events; the bare "
+                  f"forward over the same window ({cfg.attention_span()} keys): {run['bare_tokens_per_s']:,.0f} "
+                  f"tokens/s; **ratio {run['ratio_to_bare']:.2f}**. 10M tokens at this rate (extrapolated): "
+                  f"{run['ten_million_minutes']:.1f} min. Host synchronisations per chunk: "
+                  f"{run['host_syncs_per_chunk']}."]
+    if decode is not None and "error" not in decode:
+        lines += ["", f"Decode with {decode['memory_tokens']:,} tokens of memory: {decode['step_s'] * 1e3:.1f} ms "
+                  f"per step; full attention over 4k tokens: {decode['full_attention_4k_step_s'] * 1e3:.1f} ms; "
+                  f"**ratio {decode['ratio']:.2f}**."]
+    if errors:
+        lines += ["", "Failed (the tracebacks are in the JSON):"]
+        lines += [f"- {key}: `{last}`" for key, last in errors.items()]
+    lines.append("")
     return "\n".join(lines)
 
 
