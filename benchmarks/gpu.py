@@ -328,7 +328,8 @@ def _table(report: dict[str, Any], cfg: EngineConfig) -> str:
                          f"{row['twin_s'] / row['triton_s']:.2f}x | {other} |")
     if run is not None:
         measured = "measured on all of them" if run["complete"] else "measured on these, stopped at the time limit"
-        kernels = f"model.kernels='{run['kernels']}'" + ("" if run["kernels"] == "auto" else " (under 'auto' it failed)")
+        kernels = f"model.kernels='{run['kernels']}'"
+        kernels += "" if run["kernels"] == "auto" else " (under 'auto' it failed)"
         lines += ["", f"Ingest of {run['tokens']:,} tokens with {kernels} ({measured}; chunks of "
                   f"{cfg.window.chunk_size}): {run['tokens_per_s']:,.0f} tokens/s, {run['events']:,} events; the bare "
                   f"forward over the same window ({cfg.attention_span()} keys): {run['bare_tokens_per_s']:,.0f} "
