@@ -205,6 +205,24 @@ def ingest(lm: EpisodicLM, cfg: EngineConfig, tokens: int, vocab: int, seconds: 
                      "sync_counted_chunks": sync_chunks}
 
 
+def profile_ingest(session: Any, vocab: int, cfg: EngineConfig, device: torch.device) -> dict[str, str]:
+    """Where four more chunks of ingest spend their time (torch.profiler): what to make faster next."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    ids = torch.randint(0, vocab, (4 * cfg.window.chunk_size,), generator=torch.Generator().manual_seed(3)).tolist()
+    with profile(activities=activities) as prof:
+        session.ingest_ids(ids)
+        _sync(device)
+    averages = prof.key_averages()
+    tables = {"by_cpu_time": averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)}
+    if device.type == "cuda":
+        tables["by_device_time"] = averages.table(sort_by="self_device_time_total", row_limit=20,
+                                                  max_name_column_width=60)
+    print(tables["by_cpu_time"], flush=True)
+    return tables
+
+
 def decode_step_s(session: Any, vocab: int, new: int) -> float:
     """One decode step: a turn of `new` tokens minus a turn of one, on the session itself (a fork would copy its
     whole memory, 23 GB at 1M tokens of this shape; the first turn's 4 tokens joining the stream change nothing)."""
@@ -288,6 +306,7 @@ def main() -> None:
                     "ratio": step / full}
         _section(report, "decode", decode)
         print(report.get("decode"), flush=True)
+        _section(report, "ingest_profile", lambda: profile_ingest(session, shape["vocab_size"], cfg, device))
 
     table = _table(report, cfg)
     print(table)

@@ -75,7 +75,8 @@ class EpisodicLM:
                 dtype=self.model.dtype)
         elif memory is None:  # not `memory or ...`: an empty memory has len 0 and is falsy
             dtype = getattr(torch, config.recall.memory_dtype)
-            memory = InMemoryEventMemory(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
+            memory = InMemoryEventMemory(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype,
+                                         device=self.model.device, kernels=config.model.kernels)
         if not isinstance(memory, PersistentMemory):  # a memory of the caller's: its events live in the process
             memory = TransientMemory(memory)
         try:

@@ -129,7 +129,8 @@ def test_the_dispatcher_runs_the_twin_on_the_cpu_unless_asked(monkeypatch):
     cpu = torch.device("cpu")
     assert not backend.use_triton("auto", cpu)
     assert not backend.use_triton("torch", cpu)
-    assert backend.use_triton("triton", cpu) == backend.interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backend.use_triton("triton", cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
         backend.use_triton("triton", cpu)
@@ -137,11 +138,12 @@ def test_the_dispatcher_runs_the_twin_on_the_cpu_unless_asked(monkeypatch):
 
 def test_the_engine_reads_the_same_through_the_kernels():
     """A stream long enough to seal and recall events, read by a random Llama of head dim 32 through the twins
-    and through the Triton kernels: the same events, logits within float32 rounding."""
+    and through the Triton kernels: the same events, logits within float32 rounding. On a GPU the whole engine
+    runs there (its in-RAM memory on the device too)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, vocab_size=VOCAB, max_position_embeddings=2048)).eval()
+        head_dim=32, vocab_size=VOCAB, max_position_embeddings=2048)).eval().to(DEVICE)
     ids = torch.randint(0, VOCAB, (400,), generator=torch.Generator().manual_seed(1)).tolist()
     results = []
     for kind in ("torch", "triton"):
@@ -149,6 +151,7 @@ def test_the_engine_reads_the_same_through_the_kernels():
                            segmentation=SegmentationConfig(min_event=8, max_event=32),
                            recall=RecallConfig(budget_tokens=64))
         session = EpisodicLM(copy.deepcopy(model), IntTokenizer(), "tiny-llama-d32", cfg).session()
+        assert session.memory.device.type == DEVICE.type
         session.ingest_ids(ids)
         results.append((session.state.last_logits, [session.memory.event(i).start for i in range(len(session.memory))]))
     (logits_torch, starts_torch), (logits_triton, starts_triton) = results

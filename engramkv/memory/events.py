@@ -21,6 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from engramkv.errors import SessionError
+from engramkv.kernels.backend import Backend, use_triton
+from engramkv.kernels.representatives import search as search_representatives
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +163,10 @@ class PersistentMemory(EventMemory, Protocol):
 class _GrowingBuffer:
     """A tensor growing along one dim with capacity doubling (amortised O(1) appends)."""
 
-    def __init__(self, shape_before: tuple[int, ...], shape_after: tuple[int, ...], dtype: torch.dtype):
-        self.before, self.after, self.dtype = shape_before, shape_after, dtype
-        self.data = torch.empty((*shape_before, 64, *shape_after), dtype=dtype)
+    def __init__(self, shape_before: tuple[int, ...], shape_after: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | None = None):
+        self.before, self.after, self.dtype, self.device = shape_before, shape_after, dtype, device
+        self.data = torch.empty((*shape_before, 64, *shape_after), dtype=dtype, device=device)
         self.size = 0
 
     @property
@@ -175,7 +178,7 @@ class _GrowingBuffer:
         capacity = self.data.shape[self.dim]
         if self.size + n > capacity:
             new_capacity = max(2 * capacity, self.size + n)
-            grown = torch.empty((*self.before, new_capacity, *self.after), dtype=self.dtype)
+            grown = torch.empty((*self.before, new_capacity, *self.after), dtype=self.dtype, device=self.device)
             grown.narrow(self.dim, 0, self.size).copy_(self.data.narrow(self.dim, 0, self.size))
             self.data = grown
         self.data.narrow(self.dim, self.size, n).copy_(block)
@@ -260,17 +263,24 @@ class TransientMemory(_NoPersistence):
 
 
 class InMemoryEventMemory(_NoPersistence):
-    """All events in host RAM: one growing KV buffer per layer, representatives in one matrix per layer."""
+    """All events in the process, on `device` (the model's, so on a GPU nothing crosses to the host but the
+    chosen event ids): one growing KV buffer per layer, representatives in one matrix per layer.
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16):
+    `kernels` chooses the representative search (`kernels.representatives`; the twin on the CPU)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
+                 device: torch.device | str = "cpu", kernels: Backend = "auto"):
         self.num_layers = num_layers
         self.dtype = dtype
+        self.device = torch.device(device)
+        self.kernels: Backend = kernels
         self.events: list[Event] = []
         self._offsets: list[int] = []  # start of each event in the KV buffers
-        self._keys = [_GrowingBuffer((num_kv_heads,), (head_dim,), dtype) for _ in range(num_layers)]
-        self._values = [_GrowingBuffer((num_kv_heads,), (head_dim,), dtype) for _ in range(num_layers)]
-        self._reps = [_GrowingBuffer((), (num_kv_heads * head_dim,), torch.float32) for _ in range(num_layers)]
-        self._tokens = _GrowingBuffer((), (), torch.int32)
+        self._keys = [_GrowingBuffer((num_kv_heads,), (head_dim,), dtype, self.device) for _ in range(num_layers)]
+        self._values = [_GrowingBuffer((num_kv_heads,), (head_dim,), dtype, self.device) for _ in range(num_layers)]
+        self._reps = [_GrowingBuffer((), (num_kv_heads * head_dim,), torch.float32, self.device)
+                      for _ in range(num_layers)]
+        self._tokens = _GrowingBuffer((), (), torch.int32)  # read back as lists: host RAM
         self._summaries: _GrowingBuffer | None = None  # (N, S) once the first event sets S
 
     def add(
@@ -285,7 +295,7 @@ class InMemoryEventMemory(_NoPersistence):
             self._values[layer].append(values[layer].to(self.dtype))
             self._reps[layer].append(representatives[layer : layer + 1].float())
         if self._summaries is None:
-            self._summaries = _GrowingBuffer((), (key_summary.numel(),), torch.float32)
+            self._summaries = _GrowingBuffer((), (key_summary.numel(),), torch.float32, self.device)
         self._summaries.append(key_summary.float().reshape(1, -1))
         self._tokens.append(token_ids.to(torch.int32))
         self.events.append(event)
@@ -303,20 +313,23 @@ class InMemoryEventMemory(_NoPersistence):
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         if not self.events or k <= 0:
             return [], []
-        scores = self._reps[layer].view() @ query.float()  # (N,)
-        top = torch.topk(scores, min(k, scores.shape[0]))
+        reps, query = self._reps[layer].view(), query.float().to(self.device)  # (N, Hkv * D), (Hkv * D,)
+        if use_triton(self.kernels, self.device):
+            values, ids = search_representatives(reps[None], query[None], k, "triton")  # (1, k) each
+            return ids[0].tolist(), values[0].tolist()
+        top = torch.topk(reps @ query, min(k, reps.shape[0]))  # over (N,) scores
         return top.indices.tolist(), top.values.tolist()
 
     def search_keys(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         if self._summaries is None or k <= 0:
             return [], []
-        scores = self._summaries.view() @ summary.float()  # (N,)
+        scores = self._summaries.view() @ summary.float().to(self.device)  # (N,)
         top = torch.topk(scores, min(k, scores.shape[0]))
         return top.indices.tolist(), top.values.tolist()
 
     def gather(self, layer: int, event_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         spans = [torch.arange(self._offsets[i], self._offsets[i] + self.events[i].length) for i in event_ids]
-        index = torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)  # (M,)
+        index = (torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)).to(self.device)  # (M,)
         keys = self._keys[layer].view().index_select(1, index)  # (Hkv, M, D)
         values = self._values[layer].view().index_select(1, index)  # (Hkv, M, D)
         return keys, values
@@ -329,3 +342,7 @@ class InMemoryEventMemory(_NoPersistence):
     @property
     def codec(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    def tier_bytes(self) -> TierBytes:
+        on_device = self.device.type != "cpu"
+        return TierBytes(hot=self.kv_bytes if on_device else 0, warm=0 if on_device else self.kv_bytes, disk=0)
