@@ -223,16 +223,21 @@ def profile_ingest(session: Any, vocab: int, cfg: EngineConfig, device: torch.de
     return tables
 
 
-def decode_step_s(session: Any, vocab: int, new: int) -> float:
-    """One decode step: a turn of `new` tokens minus a turn of one, on the session itself (a fork would copy its
-    whole memory, 23 GB at 1M tokens of this shape; the first turn's 4 tokens joining the stream change nothing)."""
+def decode_step_s(session: Any, vocab: int, new: int, repeats: int) -> float:
+    """One decode step: a turn of `new` tokens minus a turn of one (medians of `repeats`), on the session itself
+    (a fork would copy its whole memory, 23 GB at 1M tokens of this shape; the turns' few tokens joining the
+    stream change nothing). A first turn compiles the kernels for the decode shapes and is not timed."""
     prompt = [1 % vocab, 2 % vocab, 3 % vocab]
-    first = time.perf_counter()
-    session.generate_ids(prompt, max_new_tokens=1)
-    one = time.perf_counter() - first
-    started = time.perf_counter()
     session.generate_ids(prompt, max_new_tokens=new)
-    return (time.perf_counter() - started - one) / (new - 1)
+    ones, longs = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        session.generate_ids(prompt, max_new_tokens=1)
+        ones.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        session.generate_ids(prompt, max_new_tokens=new)
+        longs.append(time.perf_counter() - started)
+    return (statistics.median(longs) - statistics.median(ones)) / (new - 1)
 
 
 def full_attention_step_s(model: torch.nn.Module, context: int, vocab: int, device: torch.device,
@@ -283,13 +288,14 @@ def main() -> None:
     bare = copy.deepcopy(model)
     bare_s = bare_window_chunk_s(bare, cfg, shape["vocab_size"], device, repeats)
     session = None
-    # if the engine fails with the kernels, its twins on the same GPU still measure the rest of the path
-    for kernels in ("auto", "torch"):
+    # if the engine fails with the kernels, its twins on the same GPU still measure the rest of the path, for a
+    # third of the time (the run must end inside the device call)
+    for kernels, seconds in (("auto", args.ingest_seconds), ("torch", args.ingest_seconds / 3)):
         run_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"kernels": kernels})})
         lm = EpisodicLM(model, _Ids(shape["vocab_size"]), "random-" + ("toy" if args.smoke else "smollm2-135m-shape"),
                         run_cfg)
         outcome = _section(report, f"ingest_{kernels}", lambda: ingest(lm, run_cfg, tokens, shape["vocab_size"],
-                                                                       args.ingest_seconds, device))
+                                                                       seconds, device))
         if outcome is not None:
             session, run = outcome
             run.update(kernels=kernels, bare_tokens_per_s=cfg.window.chunk_size / bare_s)
@@ -300,7 +306,7 @@ def main() -> None:
             break
     if session is not None:
         def decode() -> dict[str, Any]:
-            step = decode_step_s(session, shape["vocab_size"], new=8 if args.smoke else 33)
+            step = decode_step_s(session, shape["vocab_size"], new=8 if args.smoke else 33, repeats=3)
             full = full_attention_step_s(bare, 4096, shape["vocab_size"], device, repeats)
             return {"memory_tokens": report["ingest"]["tokens"], "step_s": step, "full_attention_4k_step_s": full,
                     "ratio": step / full}

@@ -75,8 +75,8 @@ class RecordingMemory(InMemoryEventMemory):
         return super().search_keys(summary, k)
 
     def vectors(self, layer: int) -> np.ndarray:  # (N, F): representatives of `layer`, or summaries for -1
-        buffer = self._summaries if layer < 0 else self._reps[layer]
-        return buffer.view().numpy().copy()
+        vectors = self._summaries.view() if layer < 0 else self._reps.view()[layer]
+        return vectors.cpu().numpy().copy()
 
 
 def principal(vectors: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:

@@ -9,15 +9,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "engramkv"
 
 # Each layer and the layers it may import (directly). The floors of DESIGN.md:
 # cli/tui -> public API -> lm -> session -> {chat, engine, retrieval, storage} -> memory -> {config, errors, spec};
-# kernels (each with its PyTorch twin) sit under hf, engine and storage; hf is for lm and engine, and for the fits
-# that measure the model itself (calibration, lowrank_fit).
+# kernels (each with its PyTorch twin) sit under memory, hf, engine and storage; hf is for lm and engine, and for
+# the fits that measure the model itself (calibration, lowrank_fit).
 ALLOWED = {
     "errors": set(),
     "spec": set(),
     "tasks": set(),
     "config": {"errors"},
     "kernels": {"errors"},
-    "memory": {"config", "errors", "spec"},
+    "memory": {"kernels", "config", "errors", "spec"},
     "retrieval": {"memory", "config", "errors", "spec"},
     "storage": {"memory", "kernels", "config", "errors", "spec"},
     "documents": {"errors", "memory", "results"},

@@ -27,7 +27,7 @@ from engramkv.config import EngineConfig
 from engramkv.memory.events import Event, EventMemory
 from engramkv.memory.refinement import refine_boundary, similarity_graph
 from engramkv.memory.segmentation import OnlineSegmenter
-from engramkv.memory.summary import key_summary, representative
+from engramkv.memory.summary import key_summary, representatives
 
 
 @dataclass
@@ -122,10 +122,9 @@ class Stream:
         n = end - start
         keys = torch.stack([st.local_k[:, :n] for st in layers])  # (layers, Hkv, n, D)
         values = torch.stack([st.local_v[:, :n] for st in layers])  # (layers, Hkv, n, D)
-        keys_per_head = self.cfg.representatives.keys_per_head
-        reps = torch.stack([representative(st.local_k[:, :n], st.local_attention[:, :n], keys_per_head)
-                            for st in layers])  # (layers, Hkv * D)
-        summary = key_summary(keys[self.summary_layers].cpu())  # (S * Hkv * D,)
+        received = torch.stack([st.local_attention[:, :n] for st in layers])  # (layers, Hkv, n)
+        reps = representatives(keys, received, self.cfg.representatives.keys_per_head)  # (layers, Hkv * D)
+        summary = key_summary(keys[self.summary_layers])  # (S * Hkv * D,) on the keys' device
         surprise = self.local_surprise[:n]
         event = Event(id=len(memory), start=start, end=end,
                       surprise_mean=float(surprise.mean()), surprise_max=float(surprise.max()))

@@ -205,14 +205,16 @@ class EpisodicState:
     # ------------------------------------------------------------------ stream processing
     @torch.inference_mode()
     def step(self, token_ids: torch.Tensor, plan: RecallPlan | None = None) -> torch.Tensor:
-        """Read `token_ids` (T,) into the stream; returns the logits (T, V).
+        """Read `token_ids` (T,) into the stream; returns the logits (T, V), on the model's device.
 
         plan: how a prompt reads memory (`retrieval.question`); None while reading a document.
         """
         self.decode_steps = 0
         forward = self._pass(plan, refresh=True, probe=False)
-        logits = hf.forward(self.model, token_ids[None].to(self.device), forward).cpu()
-        surprise = token_surprise(logits, token_ids.cpu().long(), self.last_logits)  # (T,)
+        logits = hf.forward(self.model, token_ids[None].to(self.device), forward)
+        # scored where the logits are: only (T,) surprises and the last row cross to the host, not (T, V)
+        previous = None if self.last_logits is None else self.last_logits.to(self.device)
+        surprise = token_surprise(logits, token_ids.to(self.device).long(), previous).cpu()  # (T,)
         self._advance(token_ids, logits, surprise)
         return logits
 
@@ -237,7 +239,7 @@ class EpisodicState:
     def _advance(self, token_ids: torch.Tensor, logits: torch.Tensor, surprise: torch.Tensor) -> None:
         # A copy: a view would keep the chunk's whole (C, V) logits alive, and a checkpoint saving it would
         # write them all (71 MB of a 124 MB checkpoint, measured).
-        self.last_logits = logits[-1].clone()
+        self.last_logits = logits[-1].to("cpu", copy=True)
         self.stream.record(token_ids.cpu(), surprise)
         # In decoding too, so a long reply cannot push positions past the trained length.
         self.stream.seal(self.layers, self.memory)

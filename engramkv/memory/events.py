@@ -276,10 +276,11 @@ class InMemoryEventMemory(_NoPersistence):
         self.kernels: Backend = kernels
         self.events: list[Event] = []
         self._offsets: list[int] = []  # start of each event in the KV buffers
-        self._keys = [_GrowingBuffer((num_kv_heads,), (head_dim,), dtype, self.device) for _ in range(num_layers)]
-        self._values = [_GrowingBuffer((num_kv_heads,), (head_dim,), dtype, self.device) for _ in range(num_layers)]
-        self._reps = [_GrowingBuffer((), (num_kv_heads * head_dim,), torch.float32, self.device)
-                      for _ in range(num_layers)]
+        # every layer in one buffer, so sealing an event is three copies, not three per layer
+        self._keys = _GrowingBuffer((num_layers, num_kv_heads), (head_dim,), dtype, self.device)  # (layers, Hkv, T, D)
+        self._values = _GrowingBuffer((num_layers, num_kv_heads), (head_dim,), dtype, self.device)
+        # (layers, N, Hkv * D)
+        self._reps = _GrowingBuffer((num_layers,), (num_kv_heads * head_dim,), torch.float32, self.device)
         self._tokens = _GrowingBuffer((), (), torch.int32)  # read back as lists: host RAM
         self._summaries: _GrowingBuffer | None = None  # (N, S) once the first event sets S
 
@@ -289,11 +290,10 @@ class InMemoryEventMemory(_NoPersistence):
     ) -> None:
         if event.id != len(self.events):
             raise SessionError(f"event ids must be consecutive: expected {len(self.events)}, got {event.id}")
-        self._offsets.append(self._keys[0].size)
-        for layer in range(self.num_layers):
-            self._keys[layer].append(keys[layer].to(self.dtype))
-            self._values[layer].append(values[layer].to(self.dtype))
-            self._reps[layer].append(representatives[layer : layer + 1].float())
+        self._offsets.append(self._keys.size)
+        self._keys.append(keys)  # copy_ converts the dtype and the device
+        self._values.append(values)
+        self._reps.append(representatives[:, None])
         if self._summaries is None:
             self._summaries = _GrowingBuffer((), (key_summary.numel(),), torch.float32, self.device)
         self._summaries.append(key_summary.float().reshape(1, -1))
@@ -313,12 +313,15 @@ class InMemoryEventMemory(_NoPersistence):
     def search(self, layer: int, query: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         if not self.events or k <= 0:
             return [], []
-        reps, query = self._reps[layer].view(), query.float().to(self.device)  # (N, Hkv * D), (Hkv * D,)
+        reps, query = self._reps.view()[layer], query.float().to(self.device)  # (N, Hkv * D), (Hkv * D,)
         if use_triton(self.kernels, self.device):
-            values, ids = search_representatives(reps[None], query[None], k, "triton")  # (1, k) each
-            return ids[0].tolist(), values[0].tolist()
-        top = torch.topk(reps @ query, min(k, reps.shape[0]))  # over (N,) scores
-        return top.indices.tolist(), top.values.tolist()
+            values, ids = (t[0] for t in search_representatives(reps[None], query[None], k, "triton"))  # (k,) each
+        else:
+            values, ids = torch.topk(reps @ query, min(k, reps.shape[0]))  # over (N,) scores
+        if self.device.type == "cpu":
+            return ids.tolist(), values.tolist()
+        both = torch.stack([ids.double(), values.double()]).cpu()  # one host round trip, not two
+        return both[0].long().tolist(), both[1].tolist()
 
     def search_keys(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
         if self._summaries is None or k <= 0:
@@ -330,14 +333,13 @@ class InMemoryEventMemory(_NoPersistence):
     def gather(self, layer: int, event_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         spans = [torch.arange(self._offsets[i], self._offsets[i] + self.events[i].length) for i in event_ids]
         index = (torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)).to(self.device)  # (M,)
-        keys = self._keys[layer].view().index_select(1, index)  # (Hkv, M, D)
-        values = self._values[layer].view().index_select(1, index)  # (Hkv, M, D)
+        keys = self._keys.view()[layer].index_select(1, index)  # (Hkv, M, D)
+        values = self._values.view()[layer].index_select(1, index)  # (Hkv, M, D)
         return keys, values
 
     @property
     def kv_bytes(self) -> int:
-        per_layer = [b.view().numel() * b.view().element_size() for b in self._keys + self._values]
-        return sum(per_layer)
+        return sum(b.view().numel() * b.view().element_size() for b in (self._keys, self._values))
 
     @property
     def codec(self) -> str:

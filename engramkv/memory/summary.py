@@ -38,14 +38,15 @@ def key_summaries(keys: torch.Tensor, counts: list[int]) -> torch.Tensor:  # (S,
     return torch.stack([part.contiguous().mean(dim=2).flatten() for part in unit.split(list(counts), dim=2)])
 
 
-def representative(
-    keys: torch.Tensor,  # (Hkv, n, D) pre-RoPE keys of the event's tokens
-    received: torch.Tensor,  # (Hkv, n) attention each token received while resident
+def representatives(
+    keys: torch.Tensor,  # (layers, Hkv, n, D) pre-RoPE keys of the event's tokens
+    received: torch.Tensor,  # (layers, Hkv, n) attention each token received while resident
     keys_per_head: int,
-) -> torch.Tensor:  # (Hkv * D,)
-    """Mean of the most-attended keys per KV head, concatenated over heads."""
-    r = min(keys.shape[1], keys_per_head)
-    top = received.topk(r, dim=1).indices.cpu()  # (Hkv, r)
-    keys = keys.float().cpu()
-    chosen = keys.gather(1, top[..., None].expand(-1, -1, keys.shape[-1]))  # (Hkv, r, D)
-    return chosen.mean(dim=1).flatten()
+) -> torch.Tensor:  # (layers, Hkv * D)
+    """Per layer, the mean of the most-attended keys per KV head, concatenated over heads.
+
+    Every layer at once and on the keys' device: on a GPU, sealing an event costs no host round trip."""
+    r = min(keys.shape[2], keys_per_head)
+    top = received.topk(r, dim=2).indices  # (layers, Hkv, r)
+    chosen = keys.float().gather(2, top[..., None].expand(-1, -1, -1, keys.shape[-1]))  # (layers, Hkv, r, D)
+    return chosen.mean(dim=2).flatten(1)
