@@ -74,10 +74,12 @@ def code_state() -> dict[str, Any]:
 
     The results folder is left out of `dirty`: a long run rewrites its own files as it goes.
     """
+    # A copy of the tree sent elsewhere (the device machine's) is told its commit by whoever sent it: the .git
+    # that travels with it can name an older one.
+    if os.environ.get("ENGRAMKV_COMMIT"):
+        return {"commit": os.environ["ENGRAMKV_COMMIT"], "dirty": None}
     status = _git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
-    # a copy of the tree without .git (the device machine's) is told its commit by whoever sent it
-    commit = _git("rev-parse", "HEAD") or os.environ.get("ENGRAMKV_COMMIT")
-    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
 def command_line() -> str:
