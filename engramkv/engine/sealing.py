@@ -89,16 +89,18 @@ class Stream:
     def seal(self, layers: Sequence[LayerState], memory: EventMemory) -> None:
         """Seal whole events that start before the local window's left edge."""
         cutoff = self.n_tokens - self.cfg.window.n_local
-        while self.local_start < cutoff and self.boundaries:
-            end = self._refined_end(layers, self.local_start)
-            self._seal_event(layers, memory, end)
+        ends: list[int] = []
+        while (ends[-1] if ends else self.local_start) < cutoff and self.boundaries:
+            ends.append(self._refined_end(layers, ends[-1] if ends else self.local_start))
+        self._seal_events(layers, memory, ends)
 
     def seal_rest(self, layers: Sequence[LayerState], memory: EventMemory) -> None:
         """Seal the local window too, at the boundaries found so far and at the stream's end: what a shard of a
         sharded ingest does last, since the shard after it reads on without this window."""
-        while self.local_start < self.n_tokens:
-            end = self._refined_end(layers, self.local_start) if self.boundaries else self.n_tokens
-            self._seal_event(layers, memory, end)
+        ends: list[int] = []
+        while (start := ends[-1] if ends else self.local_start) < self.n_tokens:
+            ends.append(self._refined_end(layers, start) if self.boundaries else self.n_tokens)
+        self._seal_events(layers, memory, ends)
 
     def _refined_end(self, layers: Sequence[LayerState], start: int) -> int:
         seg, ref = self.cfg.segmentation, self.cfg.refinement
@@ -117,24 +119,41 @@ class Stream:
         per_layer = [st.local_k[:, lo:hi].permute(1, 0, 2).flatten(1) for st in layers[-n_up:]]  # (T, Hkv * D)
         return torch.cat(per_layer, dim=1).float()  # (T, layers_up * Hkv * D)
 
-    def _seal_event(self, layers: Sequence[LayerState], memory: EventMemory, end: int) -> None:
-        start = self.local_start
-        n = end - start
-        keys = torch.stack([st.local_k[:, :n] for st in layers])  # (layers, Hkv, n, D)
-        values = torch.stack([st.local_v[:, :n] for st in layers])  # (layers, Hkv, n, D)
-        received = torch.stack([st.local_attention[:, :n] for st in layers])  # (layers, Hkv, n)
-        reps = representatives(keys, received, self.cfg.representatives.keys_per_head)  # (layers, Hkv * D)
-        summary = key_summary(keys[self.summary_layers])  # (S * Hkv * D,) on the keys' device
-        surprise = self.local_surprise[:n]
-        event = Event(id=len(memory), start=start, end=end,
-                      surprise_mean=float(surprise.mean()), surprise_max=float(surprise.max()))
-        memory.add(event, keys, values, reps, summary, self.tail_tokens[:n])
+    def _seal_events(self, layers: Sequence[LayerState], memory: EventMemory, ends: list[int]) -> None:
+        """Seal the events [local_start, ends[0]), [ends[0], ends[1]), ...: every layer's window is sliced once for
+        all of them (per event and layer it cost a host round trip on a GPU). What was handed to `memory` leaves
+        the window even when a later event fails."""
+        if not ends:
+            return
+        total = ends[-1] - self.local_start
+        keys = torch.stack([st.local_k[:, :total] for st in layers])  # (layers, Hkv, total, D)
+        values = torch.stack([st.local_v[:, :total] for st in layers])  # (layers, Hkv, total, D)
+        received = torch.stack([st.local_attention[:, :total] for st in layers])  # (layers, Hkv, total)
+        sealed = 0  # tokens handed to memory
+        try:
+            for end in ends:
+                a, b = sealed, end - self.local_start
+                event_keys = keys[:, :, a:b].contiguous()  # (layers, Hkv, n, D)
+                reps = representatives(event_keys, received[:, :, a:b], self.cfg.representatives.keys_per_head)
+                summary = key_summary(event_keys[self.summary_layers])  # (S * Hkv * D,) on the keys' device
+                surprise = self.local_surprise[a:b]
+                event = Event(id=len(memory), start=self.local_start + a, end=end,
+                              surprise_mean=float(surprise.mean()), surprise_max=float(surprise.max()))
+                memory.add(event, event_keys, values[:, :, a:b].contiguous(), reps, summary, self.tail_tokens[a:b])
+                sealed = b
+        finally:
+            self._drop(layers, sealed)
+
+    def _drop(self, layers: Sequence[LayerState], n: int) -> None:
+        """The first `n` unsealed tokens leave the window (they are in memory now)."""
+        if n == 0:
+            return
         self.tail_tokens = self.tail_tokens[n:]
         for st in layers:
             st.local_k, st.local_v = st.local_k[:, n:], st.local_v[:, n:]
             st.local_attention = st.local_attention[:, n:]
         self.local_surprise = self.local_surprise[n:]
-        self.local_start = end
+        self.local_start += n
 
     # ------------------------------------------------------------------ persistence
     def snapshot(self) -> dict[str, Any]:
