@@ -19,7 +19,11 @@ The device machine's image lacks pydantic, SQLAlchemy, FAISS and our transformer
 here with `bash benchmarks/gpu_wheels.sh`, then run there, carrying `.whl`:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py --out $OUT
+        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && ENGRAMKV_COMMIT=<the commit sent> PYTHONUNBUFFERED=1 \
+        python3 benchmarks/gpu.py --out $OUT
+
+(ENGRAMKV_COMMIT: the .git that travels with the tree may name an older commit.) A section that fails records its
+traceback in the JSON and the run goes on, so one call brings back everything that worked.
 """
 
 from __future__ import annotations

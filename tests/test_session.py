@@ -256,3 +256,27 @@ def test_ingest_reports_progress_records():
     assert [r.tokens for r in records] == sorted(r.tokens for r in records) and records[-1].tokens == 200
     assert records[-1].events == session.events
     assert all(r.bytes_read is None and r.size_bytes is None for r in records)  # text given directly: no file
+
+
+def test_a_failed_seal_leaves_the_window_holding_exactly_what_memory_lacks():
+    """Sealing cuts a chunk's events from one slice of the window; when memory refuses one, the events before it
+    have left the window and the rest are still there, so no token is lost or held twice."""
+    from engramkv.memory.events import InMemoryEventMemory
+
+    class Refusing(InMemoryEventMemory):
+        def add(self, event, *args):
+            if len(self) == 5:
+                raise OSError("disk full")
+            super().add(event, *args)
+
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session(memory=Refusing(lm.spec.num_layers, lm.spec.num_kv_heads, lm.spec.head_dim, torch.float32))
+    with pytest.raises(OSError, match="disk full"):
+        session.ingest_ids(_stream(400))
+    memory, state = session.memory, session.state
+    assert len(memory) == 5
+    stream = state.stream
+    assert stream.local_start == memory.event(4).end
+    for layer in state.layers:
+        assert layer.local_k.shape[1] == layer.local_attention.shape[1] == stream.n_tokens - stream.local_start
+    assert stream.tail_tokens.numel() == stream.local_surprise.numel() == stream.n_tokens - stream.local_start

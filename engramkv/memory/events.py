@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from engramkv.errors import SessionError
-from engramkv.kernels.backend import Backend, use_triton
+from engramkv.kernels.backend import Backend
 from engramkv.kernels.representatives import search as search_representatives
 
 
@@ -264,9 +264,9 @@ class TransientMemory(_NoPersistence):
 
 class InMemoryEventMemory(_NoPersistence):
     """All events in the process, on `device` (the model's, so on a GPU nothing crosses to the host but the
-    chosen event ids): one growing KV buffer per layer, representatives in one matrix per layer.
+    chosen event ids): one growing buffer each for every layer's keys, values and representatives.
 
-    `kernels` chooses the representative search (`kernels.representatives`; the twin on the CPU)."""
+    `kernels="triton"` searches through the representative search kernel (`kernels.representatives`)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
                  device: torch.device | str = "cpu", kernels: Backend = "auto"):
@@ -314,7 +314,7 @@ class InMemoryEventMemory(_NoPersistence):
         if not self.events or k <= 0:
             return [], []
         reps, query = self._reps.view()[layer], query.float().to(self.device)  # (N, Hkv * D), (Hkv * D,)
-        if use_triton(self.kernels, self.device):
+        if self.kernels == "triton":  # 'auto' keeps the twin: the search kernel does not pay (kernels.representatives)
             values, ids = (t[0] for t in search_representatives(reps[None], query[None], k, "triton"))  # (k,) each
         else:
             values, ids = torch.topk(reps @ query, min(k, reps.shape[0]))  # over (N,) scores
