@@ -89,35 +89,42 @@ class Stream:
     def seal(self, layers: Sequence[LayerState], memory: EventMemory) -> None:
         """Seal whole events that start before the local window's left edge."""
         cutoff = self.n_tokens - self.cfg.window.n_local
+        window_keys = self._graph_keys(layers) if self.boundaries and self.local_start < cutoff else None
         ends: list[int] = []
         while (ends[-1] if ends else self.local_start) < cutoff and self.boundaries:
-            ends.append(self._refined_end(layers, ends[-1] if ends else self.local_start))
+            ends.append(self._refined_end(window_keys, ends[-1] if ends else self.local_start))
         self._seal_events(layers, memory, ends)
 
     def seal_rest(self, layers: Sequence[LayerState], memory: EventMemory) -> None:
         """Seal the local window too, at the boundaries found so far and at the stream's end: what a shard of a
         sharded ingest does last, since the shard after it reads on without this window."""
+        window_keys = self._graph_keys(layers) if self.boundaries else None
         ends: list[int] = []
         while (start := ends[-1] if ends else self.local_start) < self.n_tokens:
-            ends.append(self._refined_end(layers, start) if self.boundaries else self.n_tokens)
+            ends.append(self._refined_end(window_keys, start) if self.boundaries else self.n_tokens)
         self._seal_events(layers, memory, ends)
 
-    def _refined_end(self, layers: Sequence[LayerState], start: int) -> int:
+    def _refined_end(self, window_keys: torch.Tensor | None, start: int) -> int:
+        """The next boundary, moved to the best split of [start, the boundary after it) on the key graph."""
         seg, ref = self.cfg.segmentation, self.cfg.refinement
         end = self.boundaries.pop(0)
-        if not ref.enabled or seg.mode == "uniform":
+        if window_keys is None:
             return end
         after = self.boundaries[0] if self.boundaries else self.n_tokens
-        graph = similarity_graph(self._graph_keys(layers, start, after))
+        graph = similarity_graph(window_keys[start - self.local_start : after - self.local_start])
         # Never let the following event grow past max_event when the boundary moves left.
         min_split = max(seg.min_event, (after - start) - seg.max_event)
         return start + refine_boundary(graph, end - start, min_split, ref.metric)
 
-    def _graph_keys(self, layers: Sequence[LayerState], start: int, end: int) -> torch.Tensor:
-        n_up = max(1, round(len(layers) * self.cfg.refinement.layer_fraction))
-        lo, hi = start - self.local_start, end - self.local_start
-        per_layer = [st.local_k[:, lo:hi].permute(1, 0, 2).flatten(1) for st in layers[-n_up:]]  # (T, Hkv * D)
-        return torch.cat(per_layer, dim=1).float()  # (T, layers_up * Hkv * D)
+    def _graph_keys(self, layers: Sequence[LayerState]) -> torch.Tensor | None:
+        """The refinement graph's node features for every local token, made once per sealing: (L, layers_up * Hkv
+        * D), the upper layers' keys side by side. None when boundaries are not refined."""
+        ref = self.cfg.refinement
+        if not ref.enabled or self.cfg.segmentation.mode == "uniform":
+            return None
+        n_up = max(1, round(len(layers) * ref.layer_fraction))
+        per_layer = [st.local_k.permute(1, 0, 2).flatten(1) for st in layers[-n_up:]]  # (L, Hkv * D)
+        return torch.cat(per_layer, dim=1).float()
 
     def _seal_events(self, layers: Sequence[LayerState], memory: EventMemory, ends: list[int]) -> None:
         """Seal the events [local_start, ends[0]), [ends[0], ends[1]), ...: every layer's window is sliced once for
