@@ -118,13 +118,14 @@ class Stream:
 
     def _graph_keys(self, layers: Sequence[LayerState]) -> torch.Tensor | None:
         """The refinement graph's node features for every local token, made once per sealing: (L, layers_up * Hkv
-        * D), the upper layers' keys side by side. None when boundaries are not refined."""
+        * D), the upper layers' keys side by side, on the host (the refinement's small graphs are host work: on a
+        GPU one copy per sealing, not a launch and a round trip per event). None when boundaries are not refined."""
         ref = self.cfg.refinement
         if not ref.enabled or self.cfg.segmentation.mode == "uniform":
             return None
         n_up = max(1, round(len(layers) * ref.layer_fraction))
         per_layer = [st.local_k.permute(1, 0, 2).flatten(1) for st in layers[-n_up:]]  # (L, Hkv * D)
-        return torch.cat(per_layer, dim=1).float()
+        return torch.cat(per_layer, dim=1).float().cpu()
 
     def _seal_events(self, layers: Sequence[LayerState], memory: EventMemory, ends: list[int]) -> None:
         """Seal the events [local_start, ends[0]), [ends[0], ends[1]), ...: every layer's window is sliced once for
