@@ -305,7 +305,8 @@ def main() -> None:
             run.update(kernels=kernels, bare_tokens_per_s=cfg.window.chunk_size / bare_s)
             run["ratio_to_bare"] = run["tokens_per_s"] / run["bare_tokens_per_s"]
             run["ten_million_minutes"] = 10_000_000 / run["tokens_per_s"] / 60
-            report["ingest"] = report.pop(f"ingest_{kernels}")[1]
+            del report[f"ingest_{kernels}"]  # (session, run): the run is the section
+            report["ingest"] = run
             print(run, flush=True)
             break
     if session is not None:
