@@ -266,7 +266,7 @@ class InMemoryEventMemory(_NoPersistence):
     """All events in the process, on `device` (the model's, so on a GPU nothing crosses to the host but the
     chosen event ids): one growing buffer each for every layer's keys, values and representatives.
 
-    `kernels="triton"` searches through the representative search kernel (`kernels.representatives`)."""
+    `kernels` is handed to the representative search's dispatcher (`kernels.representatives`)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float16,
                  device: torch.device | str = "cpu", kernels: Backend = "auto"):
@@ -314,13 +314,8 @@ class InMemoryEventMemory(_NoPersistence):
         if not self.events or k <= 0:
             return [], []
         reps, query = self._reps.view()[layer], query.float().to(self.device)  # (N, Hkv * D), (Hkv * D,)
-        if self.kernels == "triton":  # 'auto' keeps the twin: the search kernel does not pay (kernels.representatives)
-            values, ids = (t[0] for t in search_representatives(reps[None], query[None], k, "triton"))  # (k,) each
-        else:
-            values, ids = torch.topk(reps @ query, min(k, reps.shape[0]))  # over (N,) scores
-        if self.device.type == "cpu":
-            return ids.tolist(), values.tolist()
-        both = torch.stack([ids.double(), values.double()]).cpu()  # one host round trip, not two
+        values, ids = search_representatives(reps[None], query[None], k, self.kernels)  # (1, k) each
+        both = torch.cat([ids.double(), values.double()]).cpu()  # (2, k): one host round trip, not two
         return both[0].long().tolist(), both[1].tolist()
 
     def search_keys(self, summary: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
