@@ -15,6 +15,7 @@ import resource
 import shlex
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,21 @@ def write_results(directory: Path, name: str, payload: dict[str, Any], table: st
               f"the full config and the machine are in {json_path.name}.\n")
     md_path.write_text(table.rstrip("\n") + "\n" + footer)
     return json_path, md_path
+
+
+class WordIds:
+    """The tokenizer a random-weight model needs: a stable id per word (the engine encodes its demonstrations)."""
+
+    eos_token_id = None
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [zlib.crc32(word.encode()) % self.vocab for word in text.split()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(map(str, ids))
 
 
 def natural_text(n_chars: int) -> str:

@@ -38,7 +38,6 @@ import traceback
 import sys
 import time
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,7 +49,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from _common import RESULTS, write_results  # noqa: E402
+from _common import RESULTS, WordIds, write_results  # noqa: E402
 from engramkv import EngineConfig, EpisodicLM  # noqa: E402
 from engramkv.config import ModelConfig  # noqa: E402
 from engramkv.kernels.gather import gather  # noqa: E402
@@ -63,21 +62,6 @@ EMBEDDED = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, n
                 rope_theta=100000.0, tie_word_embeddings=True)
 TOY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            head_dim=32, vocab_size=512, max_position_embeddings=8192)
-
-
-class _Ids:
-    """The tokenizer a random-weight model needs: a stable id per word (the engine encodes its demonstrations)."""
-
-    eos_token_id = None
-
-    def __init__(self, vocab: int):
-        self.vocab = vocab
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [zlib.crc32(word.encode()) % self.vocab for word in text.split()]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return " ".join(map(str, ids))
 
 
 def _sync(device: torch.device) -> None:
@@ -296,8 +280,8 @@ def main() -> None:
     # third of the time (the run must end inside the device call)
     for kernels, seconds in (("auto", args.ingest_seconds), ("torch", args.ingest_seconds / 3)):
         run_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"kernels": kernels})})
-        lm = EpisodicLM(model, _Ids(shape["vocab_size"]), "random-" + ("toy" if args.smoke else "smollm2-135m-shape"),
-                        run_cfg)
+        name = "random-" + ("toy" if args.smoke else "smollm2-135m-shape")
+        lm = EpisodicLM(model, WordIds(shape["vocab_size"]), name, run_cfg)
         outcome = _section(report, f"ingest_{kernels}", lambda: ingest(lm, run_cfg, tokens, shape["vocab_size"],
                                                                        seconds, device))
         if outcome is not None:

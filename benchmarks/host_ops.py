@@ -23,26 +23,15 @@ import os
 import subprocess
 import sys
 import tempfile
-import zlib
 from pathlib import Path
 from typing import Any, Callable
 
-from _common import RESULTS, write_results
+from _common import RESULTS, WordIds, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=30, num_attention_heads=3, num_key_value_heads=1,
              head_dim=32, vocab_size=512, max_position_embeddings=8192)
 WARM_CHUNKS, COUNTED_CHUNKS = 16, 8
-
-
-class _Ids:
-    eos_token_id = None
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [zlib.crc32(word.encode()) % SHAPE["vocab_size"] for word in text.split()]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return " ".join(map(str, ids))
 
 
 def count(phases: bool) -> dict[str, Any]:
@@ -83,7 +72,7 @@ def count(phases: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
     config = EngineConfig()
-    session = EpisodicLM(model, _Ids(), "random-30-layers", config).session()
+    session = EpisodicLM(model, WordIds(SHAPE["vocab_size"]), "random-30-layers", config).session()
     gen = torch.Generator().manual_seed(2)
     chunk = config.window.chunk_size
     session.ingest_ids(torch.randint(0, SHAPE["vocab_size"], (WARM_CHUNKS * chunk,), generator=gen).tolist())
