@@ -108,7 +108,8 @@ class Answerer:
                                   recall, k)
         margin = matched.window - matched.hits[0][1] if matched.hits else 0.0
         i_doc = self._i_doc(ids, matched) if with_i_doc and self.cfg.allocation.i_doc else 0.0
-        features = allocation.informativeness(torch.tensor(matched.scores), margin, i_doc)
+        several = allocation.asks_for_several(self.tokenizer.decode(prompt_ids[span[0] : span[1]]))
+        features = allocation.informativeness(torch.tensor(matched.scores), margin, i_doc, several)
         piece = self._stream_piece(matched.window_piece)
         centre = None if piece is None or matched.window_centre is None else self._stream_index(matched.window_centre)
         return Assessment(matched, features, piece, centre)

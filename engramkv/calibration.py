@@ -67,11 +67,18 @@ class CalibrationReport(BaseModel):
 
 
 def design(cfg: EngineConfig, default: Theta) -> list[Theta]:
-    """The default theta and `design_size` others drawn from the allocation grid with `design_seed`."""
+    """The default theta, `design_size` others drawn from the allocation grid with `design_seed`, and
+    `design_extra`."""
     a = cfg.allocation
     grid = sorted({Theta(k, s, n, m, w) for k in a.k for s in a.s for n in a.n for m in a.m for w in a.w} - {default})
     drawn = random.Random(cfg.calibration.design_seed).sample(grid, min(cfg.calibration.design_size, len(grid)))
-    return [default, *sorted(drawn)]
+    extra = []
+    for values in cfg.calibration.design_extra:
+        theta = Theta(*values) if len(values) == len(allocation.PARAMETERS) else None
+        if theta is None or (theta not in grid and theta != default):
+            raise InputError(f"calibration.design_extra {values}: not a theta (k, s, n, m, w) of the allocation grid")
+        extra.append(theta)
+    return [default, *sorted((set(drawn) | set(extra)) - {default})]
 
 
 def samples(cfg: EngineConfig, tokenizer: Any) -> list[Sample]:
@@ -138,6 +145,9 @@ def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
             with observations.open("a") as out:
                 out.write(json.dumps(row) + "\n")
             added += 1
+            if any(len(old["features"]) != len(row["features"]) for old in _rows(observations)
+                   if old["sample"] == row["sample"]):  # answered before a feature was added
+                _set_features(observations, row["sample"], row["features"])
             progress(f"{_key(sample)} {theta}: {row['score']:.2f} {reply[:60]!r}")
         lm.close()  # the sample's stores, before the next one opens
         shutil.rmtree(store, ignore_errors=True)
@@ -170,15 +180,22 @@ def refeature(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: P
         lm.close()
         shutil.rmtree(store, ignore_errors=True)
         old = next(row["features"] for row in rows if row["sample"] == key)
-        for row in rows:
-            if row["sample"] == key:
-                row["features"] = features
-        partial = observations.with_suffix(".partial")
-        partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        partial.replace(observations)
+        _set_features(observations, key, features)
         progress(f"{key} ({done}/{len(stale)}): features {[round(f, 3) for f in old]} -> "
                  f"{[round(f, 3) for f in features]}")
     return len(stale)
+
+
+def _set_features(observations: Path, key: str, features: list[float]) -> None:
+    """Give every row of sample `key` `features`; the replies and scores stay, since the features never
+    change what a given theta reads. The file is replaced whole, so a kill leaves the old or the new one."""
+    rows = _rows(observations)
+    for row in rows:
+        if row["sample"] == key:
+            row["features"] = features
+    partial = observations.with_suffix(".partial")
+    partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    partial.replace(observations)
 
 
 def _all_tasks(cfg: EngineConfig, rows: list[dict[str, Any]]) -> EngineConfig:

@@ -246,6 +246,12 @@ class CalibrationConfig(_Strict):
     design_size: int = Field(default=16, ge=1, description="Thetas drawn from the allocation grid (with a seed), "
                              "besides the default theta: every sample is answered under all of them.")
     design_seed: int = 0
+    design_extra: list[list[int]] = Field(
+        default=[[2, 64, 1, 0, 0], [4, 32, 1, 0, 0]],
+        description="Thetas (k, s, n, m, w) answered besides the drawn ones, each from the allocation grid: "
+        "several hits of few tokens each, at the memory tokens of the best single theta (1, 128, 1, 0, 0), for "
+        "questions after several things.",
+    )
     holdout: int = Field(default=4, ge=2, description="Folds of the cross-validation over samples: each sample's "
                          "answers are predicted, and chosen for, by a fit without its fold.")
     max_new_tokens: int = Field(default=64, ge=1, description="Reply tokens, at least (`Sample.reply_tokens`).")

@@ -8,9 +8,11 @@ import torch
 
 from engramkv.config import AllocationConfig
 from engramkv.retrieval.allocation import (
+    FEATURES,
     AllocationModel,
     Theta,
     allocate,
+    asks_for_several,
     choose,
     cost,
     design_row,
@@ -147,14 +149,37 @@ def test_a_clear_match_is_given_fewer_events_than_a_flat_score_profile():
     # A model in which more events help only when the match is unclear: the slope on log k falls with the
     # margin feature (B[k, margin] < 0) and more events cost nothing else.
     a = [0.9, 0.0, 0.0, 0.0, 0.0]
-    b = [[-0.4, 0, 0, 0, 0]] + [[0.0] * 5 for _ in range(4)]
+    b = [[-0.4] + [0.0] * (len(FEATURES) - 1)] + [[0.0] * len(FEATURES) for _ in range(4)]
     model = AllocationModel(a=a, b=b, c=0.0, eps=CFG.eps)
     grid = [Theta(k, 64, 1, 0, 512) for k in (1, 2, 4, 8)]
     g = torch.Generator().manual_seed(3)
     flat_scores = torch.rand(200, generator=g) * 0.01
     clear_scores = flat_scores.clone()
     clear_scores[17] = 1.0
-    clear, flat = (informativeness(s, window_margin=0.0, i_doc=0.0) for s in (clear_scores, flat_scores))
+    clear, flat = (informativeness(s, window_margin=0.0, i_doc=0.0, several=0.0) for s in (clear_scores, flat_scores))
     assert clear[0] > flat[0] and clear[1] < flat[1]  # margin up, entropy down
     limit = 10_000
     assert choose(model, grid, clear, limit, _cost).k < choose(model, grid, flat, limit, _cost).k
+
+
+def test_a_question_after_several_things_is_told_by_its_words():
+    several = ["What are all the special magic numbers for cedar-pebble?", "List my hobbies.",
+               "Who were the speakers?", "What are the numbers for yonder-raven and meadow-yonder?",
+               "Which of Paris, Rome or Oslo is the capital?"]
+    one = ["What is the pass key?", "On which afternoon does the team meet each week?", "What is my sister called?",
+           'What is the value associated with the key "7de7f508-b327"?', "Is the count 12,345?", "Who is Allan?"]
+    assert [asks_for_several(q) for q in several] == [1.0] * len(several)
+    assert [asks_for_several(q) for q in one] == [0.0] * len(one)
+
+
+def test_a_question_after_several_things_is_given_more_events_where_the_fit_says_they_help():
+    # More events help only a question after several things (B[k, several] > 0), and cost as few tokens each.
+    a = [-0.2, 0.0, 0.0, 0.0, 0.0]
+    b = [[0.0] * (len(FEATURES) - 1) + [1.0]] + [[0.0] * len(FEATURES) for _ in range(4)]
+    model = AllocationModel(a=a, b=b, c=0.0, eps=CFG.eps)
+    grid = [Theta(1, 128, 1, 0, 0), Theta(2, 64, 1, 0, 0), Theta(4, 32, 1, 0, 0)]
+    scores = torch.rand(50, generator=torch.Generator().manual_seed(0))
+    info = [informativeness(scores, window_margin=0.0, i_doc=0.0, several=asks_for_several(q))
+            for q in ("What is the number for cedar-pebble?", "What are all the numbers for cedar-pebble?")]
+    assert choose(model, grid, info[0], 10_000, _cost).k == 1
+    assert choose(model, grid, info[1], 10_000, _cost).k == 4

@@ -30,7 +30,7 @@ CFG = EngineConfig(
     segmentation=SegmentationConfig(min_event=4, max_event=24),
     allocation=AllocationConfig(k=[1, 2], s=[8, 16], n=[1, 2], m=[0, 1], w=[0, 64], draft_tokens=2),
     calibration=CalibrationConfig(tasks=["passkey", "niah-single"], lengths=[300], samples=2, design_size=2,
-                                  holdout=2, max_new_tokens=3),
+                                  design_extra=[], holdout=2, max_new_tokens=3),
 )
 
 
@@ -73,13 +73,38 @@ def test_refeature_measures_again_the_features_of_older_observations_and_keeps_t
     assert refeature(lm, CFG, tmp_path, observations, lambda line: None) == 0
 
 
+def test_a_theta_added_to_the_design_is_answered_and_gives_older_rows_the_features_measured_now(tmp_path):
+    _, lm = tiny_pair("llama", CFG)
+    lm.tokenizer = ModTokenizer()
+    observations = tmp_path / "observations.jsonl"
+    run(lm, CFG, tmp_path, observations, lambda line: None)
+    rows = [json.loads(line) for line in observations.read_text().splitlines()]
+    older = [{**row, "features": row["features"][:-1]} for row in rows]  # written before the last feature
+    observations.write_text("".join(json.dumps(row) + "\n" for row in older))
+    extra = Theta(1, 8, 1, 0, 0)
+    assert extra not in design(CFG, Theta(2, 24, 1, 0, 64))
+    wider = CFG.model_copy(update={"calibration": CFG.calibration.model_copy(update={"design_extra": [[1, 8, 1, 0, 0]]})})
+    assert extra in design(wider, Theta(2, 24, 1, 0, 64))
+    assert run(lm, wider, tmp_path, observations, lambda line: None) == 4  # the new theta, once per sample
+    again = [json.loads(line) for line in observations.read_text().splitlines()]
+    assert [r["features"] for r in again[: len(rows)]] == [r["features"] for r in rows]
+    assert [(r["reply"], r["theta"]) for r in again[: len(rows)]] == [(r["reply"], r["theta"]) for r in rows]
+    assert all(len(r["features"]) == len(allocation.FEATURES) for r in again)
+
+
+def test_a_design_extra_off_the_grid_is_an_input_error():
+    off = CFG.model_copy(update={"calibration": CFG.calibration.model_copy(update={"design_extra": [[3, 8, 1, 0, 0]]})})
+    with pytest.raises(InputError, match="design_extra"):
+        design(off, Theta(2, 24, 1, 0, 64))
+
+
 def _synthetic_observations(path, truth, n_samples=40):
     rng = random.Random(0)
     thetas = design(EngineConfig(), Theta(4, 128, 1, 0, 1024))
     with path.open("w") as out:
         for i in range(n_samples):
             features = [rng.uniform(0, 4), rng.random(), rng.randint(0, 5), rng.uniform(-0.05, 0.05),
-                        rng.uniform(-2, 2)]
+                        rng.uniform(-2, 2), rng.randint(0, 1)]
             for theta in thetas:
                 score = truth.predict(theta, torch.tensor(features, dtype=torch.float64))
                 out.write(json.dumps({"sample": f"s{i}", "task": "t", "length": 0, "seed": i,
@@ -98,7 +123,7 @@ def test_the_fit_reports_held_out_quality_and_writes_loadable_coefficients(tmp_p
     assert set(report.fits) == {"model", "no_interaction", "linear"}
     assert report.fits["model"].r2 > 0.99  # noise-free scores from the model's own form
     assert report.fits["model"].mse <= report.fits["no_interaction"].mse
-    assert report.held_out == report.observations == 40 * 17  # each sample predicted by a fit without it
+    assert report.held_out == report.observations == 40 * 19  # each sample predicted by a fit without it
     loaded = allocation_model(AllocationConfig(mode="model", coefficients=str(tmp_path / "coefficients.json")),
                               "tiny-llama")
     assert loaded == report.model

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,14 @@ from engramkv.config import AllocationConfig
 from engramkv.errors import ConfigError, InputError
 
 PARAMETERS = ("k", "s", "n", "m", "w")
-FEATURES = ("margin", "entropy", "above", "window_margin", "i_doc")
+FEATURES = ("margin", "entropy", "above", "window_margin", "i_doc", "several")
+
+# A question after several things: a plural wh-verb ("What are", "Which were"), "all", "list", or terms
+# joined by "and" or by a comma and a space (not "12,345"). Read from the words alone: the match scores
+# cannot tell one fact stated in four events from four facts. ("each" and "every" are left out: "each
+# week" asks for one thing.)
+_SEVERAL = re.compile(r"\b(?:(?:what|which|who)\s+(?:are|were)|all|list)\b|\w,\s+\w|\w\s+and\s+\w",
+                      re.IGNORECASE)
 
 
 @dataclass(frozen=True, order=True)
@@ -64,21 +72,28 @@ def cost(theta: Theta, fixed_tokens: int, demonstration_tokens: int, window_cap:
     return window + memory + fixed_tokens + theta.m * demonstration_tokens
 
 
-def informativeness(scores: torch.Tensor, window_margin: float, i_doc: float) -> torch.Tensor:  # (F,)
-    """Cheap features of a question's match scores over the events (N,), known before it is answered:
-    the top-1 margin over the background (in std), the entropy of softmax(z-scores) over log N (the raw
-    scores, mean cosines a few hundredths apart, would give a uniform softmax for every question), the
-    count above mean + 2 std, the window-versus-memory margin, and i_doc (the change in the first answer
-    token's log-probability with one recalled event against none)."""
+def asks_for_several(question: str) -> float:
+    """1.0 where the question's words ask for several things (`_SEVERAL`), else 0.0."""
+    return 1.0 if _SEVERAL.search(question) else 0.0
+
+
+def informativeness(scores: torch.Tensor, window_margin: float, i_doc: float, several: float) -> torch.Tensor:  # (F,)
+    """Cheap features of a question, known before it is answered: of its match scores over the events
+    (N,), the top-1 margin over the background (in std), the entropy of softmax(z-scores) over log N (the
+    raw scores, mean cosines a few hundredths apart, would give a uniform softmax for every question) and
+    the count above mean + 2 std; the window-versus-memory margin; i_doc (the change in the first answer
+    token's log-probability with one recalled event against none); and whether its words ask for several
+    things (`asks_for_several`)."""
     s = scores.double()
     if s.numel() < 2:
-        return torch.tensor([0.0, 0.0, 0.0, window_margin, i_doc], dtype=torch.float64)
+        return torch.tensor([0.0, 0.0, 0.0, window_margin, i_doc, several], dtype=torch.float64)
     mean, std = s.mean(), s.std().clamp(min=1e-9)
     margin = (s.max() - mean) / std
     p = torch.softmax((s - mean) / std, dim=0)
     entropy = -(p * p.clamp(min=1e-30).log()).sum() / torch.log(torch.tensor(float(s.numel())))
     above = (s > mean + 2 * std).sum()
-    return torch.tensor([float(margin), float(entropy), float(above), window_margin, i_doc], dtype=torch.float64)
+    return torch.tensor([float(margin), float(entropy), float(above), window_margin, i_doc, several],
+                        dtype=torch.float64)
 
 
 class AllocationModel(BaseModel):
