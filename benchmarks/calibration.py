@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from _common import RESULTS, write_results
@@ -59,13 +59,17 @@ def main() -> None:
         by_theta[json.dumps(row["theta"])].append(row["score"])
         by_task[row["task"], row["length"]].append(row["score"])
     samples = sorted({row["sample"] for row in rows})
+    per_sample = Counter(row["sample"] for row in rows)
+    designs = ", ".join(f"{count} samples under {size}" for size, count in
+                        sorted(Counter(per_sample.values()).items(), reverse=True))
     lines = [f"# Calibration of the allocation model ({report.model_id})", "",
              f"{len(rows)} answers: {len(samples)} calibration samples (seeds from 100000, disjoint from the "
-             f"evaluation's) x {len(by_theta)} thetas, each asked as a chat turn from the sample's store opened "
-             "read-only. Observations written by: " + "; ".join(f"`{c}`" for c in args.ran or ["(this script)"])
-             + f". Cross-validated over samples in {cfg.calibration.holdout} folds: each sample's "
-             f"{report.held_out // len(samples)} answers predicted, and answered by the model's choice, from a fit "
-             "without its fold; the coefficients shipped are fitted on all of them.", "",
+             f"evaluation's) under {len(by_theta)} thetas ({designs}: the n of each theta below), each asked as a "
+             "chat turn from the sample's store opened read-only. Observations written by: "
+             + "; ".join(f"`{c}`" for c in args.ran or ["(this script)"])
+             + f". Cross-validated over samples in {cfg.calibration.holdout} folds: each sample's answers "
+             "predicted, and answered by the model's choice among its own thetas, from a fit without its fold; "
+             "the coefficients shipped are fitted on all of them.", "",
              "## Fit, out of fold", "",
              "`model`: logit(P) = (a + B i)^T log(theta + eps) + c; `no_interaction`: B = 0 (the paper's ablation); "
              "`linear`: the same regressors fitted to P itself. Per cell: predicted and observed scores averaged "

@@ -83,7 +83,8 @@ def test_a_theta_added_to_the_design_is_answered_and_gives_older_rows_the_featur
     observations.write_text("".join(json.dumps(row) + "\n" for row in older))
     extra = Theta(1, 8, 1, 0, 0)
     assert extra not in design(CFG, Theta(2, 24, 1, 0, 64))
-    wider = CFG.model_copy(update={"calibration": CFG.calibration.model_copy(update={"design_extra": [[1, 8, 1, 0, 0]]})})
+    extra_cfg = CFG.calibration.model_copy(update={"design_extra": [[1, 8, 1, 0, 0]]})
+    wider = CFG.model_copy(update={"calibration": extra_cfg})
     assert extra in design(wider, Theta(2, 24, 1, 0, 64))
     assert run(lm, wider, tmp_path, observations, lambda line: None) == 4  # the new theta, once per sample
     again = [json.loads(line) for line in observations.read_text().splitlines()]
@@ -93,7 +94,8 @@ def test_a_theta_added_to_the_design_is_answered_and_gives_older_rows_the_featur
 
 
 def test_a_design_extra_off_the_grid_is_an_input_error():
-    off = CFG.model_copy(update={"calibration": CFG.calibration.model_copy(update={"design_extra": [[3, 8, 1, 0, 0]]})})
+    off_grid = CFG.calibration.model_copy(update={"design_extra": [[3, 8, 1, 0, 0]]})
+    off = CFG.model_copy(update={"calibration": off_grid})
     with pytest.raises(InputError, match="design_extra"):
         design(off, Theta(2, 24, 1, 0, 64))
 

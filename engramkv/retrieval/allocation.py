@@ -77,7 +77,8 @@ def asks_for_several(question: str) -> float:
     return 1.0 if _SEVERAL.search(question) else 0.0
 
 
-def informativeness(scores: torch.Tensor, window_margin: float, i_doc: float, several: float) -> torch.Tensor:  # (F,)
+def informativeness(scores: torch.Tensor, window_margin: float, i_doc: float,
+                    several: float) -> torch.Tensor:  # (F,)
     """Cheap features of a question, known before it is answered: of its match scores over the events
     (N,), the top-1 margin over the background (in std), the entropy of softmax(z-scores) over log N (the
     raw scores, mean cosines a few hundredths apart, would give a uniform softmax for every question) and
