@@ -1,12 +1,14 @@
 """The recall budget model: fitting, choosing under a limit, sharing one limit among questions."""
 
 import itertools
+import json
 import random
 
 import pytest
 import torch
 
 from engramkv.config import AllocationConfig
+from engramkv.errors import ConfigError
 from engramkv.retrieval.allocation import (
     FEATURES,
     AllocationModel,
@@ -18,6 +20,7 @@ from engramkv.retrieval.allocation import (
     design_row,
     fit,
     informativeness,
+    load_model,
     select_ridge,
 )
 
@@ -150,7 +153,7 @@ def test_a_clear_match_is_given_fewer_events_than_a_flat_score_profile():
     # margin feature (B[k, margin] < 0) and more events cost nothing else.
     a = [0.9, 0.0, 0.0, 0.0, 0.0]
     b = [[-0.4] + [0.0] * (len(FEATURES) - 1)] + [[0.0] * len(FEATURES) for _ in range(4)]
-    model = AllocationModel(a=a, b=b, c=0.0, eps=CFG.eps)
+    model = AllocationModel(a=a, b=b, c=0.0, eps=CFG.eps, features=list(FEATURES))
     grid = [Theta(k, 64, 1, 0, 512) for k in (1, 2, 4, 8)]
     g = torch.Generator().manual_seed(3)
     flat_scores = torch.rand(200, generator=g) * 0.01
@@ -176,10 +179,24 @@ def test_a_question_after_several_things_is_given_more_events_where_the_fit_says
     # More events help only a question after several things (B[k, several] > 0), and cost as few tokens each.
     a = [-0.2, 0.0, 0.0, 0.0, 0.0]
     b = [[0.0] * (len(FEATURES) - 1) + [1.0]] + [[0.0] * len(FEATURES) for _ in range(4)]
-    model = AllocationModel(a=a, b=b, c=0.0, eps=CFG.eps)
+    model = AllocationModel(a=a, b=b, c=0.0, eps=CFG.eps, features=list(FEATURES))
     grid = [Theta(1, 128, 1, 0, 0), Theta(2, 64, 1, 0, 0), Theta(4, 32, 1, 0, 0)]
     scores = torch.rand(50, generator=torch.Generator().manual_seed(0))
     info = [informativeness(scores, window_margin=0.0, i_doc=0.0, several=asks_for_several(q))
             for q in ("What is the number for cedar-pebble?", "What are all the numbers for cedar-pebble?")]
     assert choose(model, grid, info[0], 10_000, _cost).k == 1
     assert choose(model, grid, info[1], 10_000, _cost).k == 4
+
+
+def test_coefficients_fitted_before_a_feature_was_added_answer_with_the_features_they_know(tmp_path):
+    old = AllocationModel(a=[0.1] * 5, b=[[0.2] * 5 for _ in range(5)], c=0.0, eps=CFG.eps)  # five features
+    info = torch.tensor([1.0, 0.5, 3.0, 0.0, 0.2, 1.0], dtype=torch.float64)  # today's, "several" last
+    assert old.features == list(FEATURES[:5])
+    assert old.predict(Theta(2, 64, 1, 0, 0), info) == old.predict(Theta(2, 64, 1, 0, 0), info[:5])
+    path = tmp_path / "coefficients.json"
+    path.write_text(json.dumps({"model_id": "m", "model": old.model_dump()}))
+    assert load_model(AllocationConfig(mode="model", coefficients=str(path)), "m") == old
+    wrong = old.model_copy(update={"features": ["several", "margin", "entropy", "above", "i_doc"]})  # not in order
+    path.write_text(json.dumps({"model_id": "m", "model": wrong.model_dump()}))
+    with pytest.raises(ConfigError, match="features"):
+        load_model(AllocationConfig(mode="model", coefficients=str(path)), "m")

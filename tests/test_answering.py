@@ -107,7 +107,7 @@ def test_a_theta_outside_its_ranges_is_an_input_error():
 
 def _coefficients(tmp_path, model_id="tiny-llama", a=None, best_fixed=None):
     model = AllocationModel(a=a or [0.5, 0.2, 0.0, 0.0, -0.1], b=[[0.0] * len(FEATURES) for _ in PARAMETERS],
-                            c=-1.0, eps=0.01, best_fixed=best_fixed)
+                            c=-1.0, eps=0.01, best_fixed=best_fixed, features=list(FEATURES))
     path = tmp_path / "coefficients.json"
     path.write_text(json.dumps({"model_id": model_id, "model": model.model_dump()}))
     return path
@@ -208,7 +208,7 @@ def test_auto_mode_answers_with_shipped_coefficients_and_fixed_without(tmp_path)
 def test_a_fit_with_its_calibrated_thetas_chooses_among_those_alone(tmp_path):
     calibrated = [[1, 8, 1, 0, 0], [2, 16, 1, 1, 64]]
     model = AllocationModel(a=[0.5, 0.2, 0.0, 0.0, -0.1], b=[[0.0] * len(FEATURES) for _ in PARAMETERS], c=-1.0,
-                            eps=0.01, thetas=calibrated)
+                            eps=0.01, thetas=calibrated, features=list(FEATURES))
     path = tmp_path / "coefficients.json"
     path.write_text(json.dumps({"model_id": "tiny-llama", "model": model.model_dump()}))
     cfg = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(

@@ -117,7 +117,8 @@ def _synthetic_observations(path, truth, n_samples=40):
 def test_the_fit_reports_held_out_quality_and_writes_loadable_coefficients(tmp_path):
     g = torch.Generator().manual_seed(0)
     truth = AllocationModel(a=(torch.randn(5, generator=g) * 0.3).tolist(),
-                            b=(torch.randn(5, len(allocation.FEATURES), generator=g) * 0.05).tolist(), c=-0.3, eps=0.01)
+                            b=(torch.randn(5, len(allocation.FEATURES), generator=g) * 0.05).tolist(), c=-0.3, eps=0.01,
+                            features=list(allocation.FEATURES))
     _synthetic_observations(tmp_path / "observations.jsonl", truth)
     exact = EngineConfig(allocation=AllocationConfig(score_clip=1e-6, ridge=[0.0]))  # nothing shrinks the fit
     report = calibrate(None, exact, tmp_path / "coefficients.json", tmp_path, fit_only=True,

@@ -23,8 +23,11 @@ Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --
   engram-alloc            engramkv, the inference parameters theta chosen per question by the allocation
                           model (the coefficients shipped in engramkv/coefficients/)
   engram-best             engramkv under the best single fixed theta of the shipped calibration
-  engram-chat / engram-alloc-chat / engram-best-chat
-                          the same three, the question asked as a user asks it (`Session.chat`, what
+  engram-alloc-candidate  the allocation model of a candidate calibration not shipped
+                          (benchmarks/results/calibration/candidate.coefficients.json): judged on the grid
+                          before it replaces the shipped one
+  engram-chat / engram-alloc-chat / engram-best-chat / engram-alloc-candidate-chat
+                          the same, the question asked as a user asks it (`Session.chat`, what
                           `engramkv ask` and the TUI do) instead of with the benchmark's prompt
 
 engram and its question-time variants read each sample's context once (`Models.shared_stream`) and
@@ -51,6 +54,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import faiss
@@ -435,16 +439,20 @@ def shipped_calibration(model_id: str) -> dict[str, Any]:
 
 
 ALLOCATION = EngineConfig().with_allocation_mode("model")
+CANDIDATE_COEFFICIENTS = Path(__file__).resolve().parents[1] / "results" / "calibration" / "candidate.coefficients.json"
+CANDIDATE = ALLOCATION.model_copy(update={"allocation": ALLOCATION.allocation.model_copy(
+    update={"coefficients": str(CANDIDATE_COEFFICIENTS)})})
 # Systems that differ from engram only at question time: one ingest per sample serves them all. "-chat": the
 # question asked as a user asks it (Session.chat); without: the benchmark's own prompt (Session.generate).
-QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best"}
+QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best",
+                 "engram-alloc-candidate": "candidate"}
+CONFIGS = {"fixed": FIXED, "best": FIXED, "model": ALLOCATION, "candidate": CANDIDATE}
 
 
 def _question_time_system(kind: str, chat_path: bool) -> SystemFn:
     def answer(models: Models, sample: Sample) -> Run:
         theta = Theta(**shipped_calibration(models.model_id)["best_fixed_theta"]) if kind == "best" else None
-        config = ALLOCATION if kind == "model" else FIXED
-        return _question_time_run(models, sample, config, chat_path, theta)
+        return _question_time_run(models, sample, CONFIGS[kind], chat_path, theta)
     return answer
 
 
@@ -452,11 +460,12 @@ for _name, _kind in QUESTION_TIME.items():
     SYSTEMS[_name] = _question_time_system(_kind, chat_path=False)
     SYSTEMS[f"{_name}-chat"] = _question_time_system(_kind, chat_path=True)
 OPTIONAL_SYSTEMS = ("full-around-fact", "engram-before-question", "engram-fixed", *(s for s in VARIANTS if s.startswith("engram-store-")),
-                    *(s for s in SYSTEMS if s.endswith("-chat") or s in ("engram-alloc", "engram-best")))
+                    *(s for s in SYSTEMS if s.endswith("-chat") or s in ("engram-alloc", "engram-best",
+                                                                          "engram-alloc-candidate")))
 DEFAULT_SYSTEMS = [name for name in SYSTEMS if name not in OPTIONAL_SYSTEMS]
 # The allocation grid of issue 17: the engram systems on both prompt paths against RAG and full attention.
 ALLOCATION_SYSTEMS = ["full", "full-around-fact", "rag", *(f"{n}{path}" for n in QUESTION_TIME
-                                                          for path in ("", "-chat"))]
+                                                          if n != "engram-alloc-candidate" for path in ("", "-chat"))]
 
 
 def system_config(name: str) -> Any:
@@ -464,10 +473,11 @@ def system_config(name: str) -> Any:
     kind = QUESTION_TIME.get(name.removesuffix("-chat"))
     if kind is not None:
         path = "Session.chat(question)" if name.endswith("-chat") else "Session.generate(prompt, question=)"
-        config = ALLOCATION if kind == "model" else FIXED
-        return {"engine": config.model_dump(mode="json"), "asked_with": path,
-                "theta": "the best fixed theta of the shipped calibration" if kind == "best" else
-                ("the allocation model's choice (shipped coefficients)" if kind == "model" else "the fixed default"),
+        theta = {"best": "the best fixed theta of the shipped calibration",
+                 "model": "the allocation model's choice (shipped coefficients)",
+                 "candidate": f"the allocation model's choice (the coefficients of {CANDIDATE_COEFFICIENTS.name})",
+                 "fixed": "the fixed default"}[kind]
+        return {"engine": CONFIGS[kind].model_dump(mode="json"), "asked_with": path, "theta": theta,
                 "ingest": "one in-RAM stream per sample, shared by the question-time systems (Session.fork)"}
     if name in VARIANTS:
         return VARIANTS[name]

@@ -117,6 +117,9 @@ class AllocationModel(BaseModel):
     high: list[float] | None = None
     ridge: float | None = None  # the ridge term the fit kept (a record)
     best_fixed: list[int] | None = None  # the calibration's best single theta (`allocation.default_limit`)
+    # The features B's columns (and low, high) are for, a subset of FEATURES in its order: a file fitted
+    # before a feature was added keeps answering with the ones it was fitted on.
+    features: list[str] = list(FEATURES[:5])
 
     def candidates(self, grid: Sequence[Theta]) -> list[Theta]:
         return [Theta(*t) for t in self.thetas] if self.thetas else list(grid)
@@ -124,7 +127,7 @@ class AllocationModel(BaseModel):
     def logit(self, theta: Theta, info: torch.Tensor) -> float:
         """The linear predictor (the logit of the score under the "logit" link)."""
         a, b = torch.tensor(self.a, dtype=torch.float64), torch.tensor(self.b, dtype=torch.float64)
-        info = info.double()
+        info = info.double()[[FEATURES.index(name) for name in self.features]]
         if self.low is not None and self.high is not None:
             info = info.clamp(torch.tensor(self.low, dtype=torch.float64), torch.tensor(self.high, dtype=torch.float64))
         slope = a + b @ info  # (P,)
@@ -150,7 +153,8 @@ def fit(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence
         ridge: float, with_interaction: bool = True, link: Literal["logit", "linear"] = "logit") -> AllocationModel:
     """Ridge least squares of the predicted score against the observed one: through the logit link
     (Gauss-Newton), or of the regressors on the score itself (link "linear", closed form). Without the
-    interaction B is zero (the paper's ablation). The ridge acts on features standardised over the
+    interaction B is zero (the paper's ablation). The features of `infos` are the first F of FEATURES
+    (features are only ever added at the end). The ridge acts on features standardised over the
     observations (a count and a cosine margin differ by orders of magnitude); the coefficients returned
     are for the raw features."""
     if not thetas or not len(thetas) == len(infos) == len(scores):
@@ -174,7 +178,8 @@ def fit(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence
     # slope = a + B (i - mean) / std = (a - B (mean / std)) + (B / std) i
     return AllocationModel(a=(a - b @ (mean / std)).tolist(), b=(b / std).tolist(), c=float(coef[-1]),
                            eps=cfg.eps, link=link, low=raw.min(dim=0).values.tolist(),
-                           high=raw.max(dim=0).values.tolist(), ridge=ridge)
+                           high=raw.max(dim=0).values.tolist(), ridge=ridge,
+                           features=list(FEATURES[: raw.shape[1]]))
 
 
 def _gauss_newton(x: torch.Tensor, y: torch.Tensor, penalty: torch.Tensor, clip: float,
@@ -344,8 +349,9 @@ def load_model(cfg: AllocationConfig, model_id: str) -> AllocationModel | None:
         raise ConfigError(f"{path} was fitted for {fitted_for}, this model is {model_id}; "
                           "re-fit with `engramkv calibrate`")
     ranges = [r for r in (model.low, model.high) if r is not None]
-    if (len(model.a) != len(PARAMETERS) or len(model.b) != len(PARAMETERS)
-            or any(len(row) != len(FEATURES) for row in [*model.b, *ranges])):
+    known = [name for name in FEATURES if name in model.features]
+    if (len(model.a) != len(PARAMETERS) or len(model.b) != len(PARAMETERS) or known != model.features
+            or any(len(row) != len(model.features) for row in [*model.b, *ranges])):
         raise ConfigError(f"{path}: coefficients of another shape than theta {PARAMETERS} "
-                          f"by features {FEATURES}")
+                          f"by features {model.features} (of {FEATURES})")
     return model
