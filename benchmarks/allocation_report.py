@@ -16,7 +16,7 @@ e.g. `--name allocation_a` and `--name allocation_b`); this merges their runs an
 
 It reads result files only (no model): run it after each resume.
 
-    python benchmarks/allocation_report.py                       # allocation_a + allocation_b
+    python benchmarks/allocation_report.py                       # allocation_a + allocation_b (+ c, d)
     python benchmarks/allocation_report.py --names allocation_a  # one of them
 """
 
@@ -38,14 +38,17 @@ PARITY = 0.9
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--names", nargs="+", default=["allocation_a", "allocation_b"],
-                        help="evaluation result files (results/evaluate/NAME.json) to merge")
+    parser.add_argument("--names", nargs="+", default=None,
+                        help="evaluation result files (results/evaluate/NAME.json) to merge (default: allocation_a and "
+                        "allocation_b, and allocation_c and allocation_d where they exist: a candidate model's runs)")
     parser.add_argument("--dir", type=Path, default=RESULTS / "evaluate")
     parser.add_argument("--name", default="allocation", help="the report's file name (default allocation)")
     args = parser.parse_args(argv)
-    runs, sources = load(args.dir, args.names)
+    names = args.names or ["allocation_a", "allocation_b", *(n for n in ("allocation_c", "allocation_d")
+                                                              if (args.dir / f"{n}.json").exists())]
+    runs, sources = load(args.dir, names)
     if not runs:
-        raise SystemExit(f"no runs in {', '.join(args.names)}")
+        raise SystemExit(f"no runs in {', '.join(names)}")
     lines = report(runs, sources)
     write_results(args.dir, args.name, {"sources": sources, "summary": summary(runs)}, "\n".join(lines) + "\n",
                   {"sources": sources})
@@ -131,6 +134,38 @@ def report(runs: list[dict[str, Any]], sources: dict[str, Any]) -> list[str]:
     lines += _against_fixed(by, lengths)
     lines += _against_rag(by, tasks, lengths)
     lines += _parity(by, tasks, lengths)
+    lines += _candidate(by, tasks, lengths)
+    return lines
+
+
+def _candidate(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], lengths: list[int]) -> list[str]:
+    """A candidate model's runs (`engram-alloc-candidate`) against the shipped model's and RAG's on the same
+    samples, per task, length and prompt path (empty where no candidate ran)."""
+    if not any(s.startswith("engram-alloc-candidate") for s in by):
+        return []
+    lines = ["", "## A candidate model against the shipped one", "",
+             "`engram-alloc-candidate`: the allocation model of `results/calibration/candidate.coefficients.json` "
+             "(not shipped). Paired on the samples both answered: the candidate's mean difference from the shipped "
+             "model and from RAG (95% bootstrap interval; better / worse, two-sided sign test), with each model's "
+             "mean answer context.", "",
+             "| path | task | length | candidate (n) | context | shipped | context | candidate against shipped | "
+             "rag | candidate against rag |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for path in ("", "-chat"):
+        candidate, shipped, rag = (by.get(f"engram-alloc-candidate{path}", {}), by.get(f"engram-alloc{path}", {}),
+                                   by.get("rag", {}))
+        for task in tasks:
+            for length in lengths:
+                keys = sorted(k for k in candidate if k[0] == task and k[1] == length)
+                if not keys:
+                    continue
+                mine = [candidate[k] for k in keys]
+                theirs = [shipped[k] for k in keys if k in shipped]
+                rags = [rag[k] for k in keys if k in rag]
+                lines.append(f"| {'chat' if path else 'prompt'} | {task} | {length:,} | "
+                             f"{_mean([r['score'] for r in mine]):.2f} ({len(mine)}) | {_context(mine)} | "
+                             f"{_mean([r['score'] for r in theirs]):.2f} | {_context(theirs)} | "
+                             f"{_paired(candidate, shipped, keys)} | {_mean([r['score'] for r in rags]):.2f} | "
+                             f"{_paired(candidate, rag, keys)} |")
     return lines
 
 

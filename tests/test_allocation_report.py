@@ -47,6 +47,22 @@ def test_the_report_merges_files_and_checks_the_targets(tmp_path):
     assert set(payload["sources"]) == {"a", "b"} and payload["commit"]
 
 
+def test_a_candidate_model_is_paired_with_the_shipped_one_and_rag_and_read_by_default(tmp_path):
+    shipped = [_run("niah-multivalue", "engram-alloc", s, 0.0, length=8192) for s in range(20)]
+    shipped += [_run("niah-multivalue", "rag", s, 0.25, length=8192) for s in range(20)]
+    candidate = [_run("niah-multivalue", "engram-alloc-candidate", s, 0.5 if s < 10 else 0.0, length=8192,
+                      context=290) for s in range(20)]
+    _write(tmp_path, "allocation_a", shipped)
+    _write(tmp_path, "allocation_b", [])
+    _write(tmp_path, "allocation_c", candidate)  # no allocation_d: the defaults skip it
+    allocation_report.main(["--dir", str(tmp_path), "--name", "out"])
+    md = (tmp_path / "out.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| prompt | niah-multivalue | 8,192 |"))
+    assert "| 0.25 (20) | 290 | 0.00 | 300 | +0.250 (" in row and "; n 20); 10 / 0 (p " in row
+    assert row.endswith("; n 20); 10 / 10 (p 1.000) |")  # against RAG's 0.25 everywhere
+    assert "| chat |" not in md.split("## A candidate model")[1]  # no candidate chat runs
+
+
 def test_a_missing_or_foreign_file_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         allocation_report.main(["--dir", str(tmp_path), "--names", "nope"])
