@@ -236,22 +236,15 @@ class AllocationConfig(_Strict):
 class CalibrationConfig(_Strict):
     """What `engramkv calibrate` (`calibration.calibrate`) runs to fit the allocation model."""
 
-    tasks: list[str] = Field(
-        default=["passkey", "niah-single", "niah-multikey", "niah-multivalue", "niah-multiquery", "conversation",
-                 "facts", "kv"],
-        min_length=1, description="Calibration tasks (`engramkv.tasks`).",
-    )
+    tasks: list[str] = Field(default=["passkey", "niah-single", "niah-multikey", "niah-multivalue", "niah-multiquery",
+                                      "conversation", "facts", "kv"], min_length=1, description="`engramkv.tasks`.")
     lengths: list[int] = Field(default=[4096, 8192], min_length=1, description="Document lengths in tokens.")
     samples: int = Field(default=4, ge=1, description="Samples per task and length (seeds from CALIBRATION_SEEDS).")
     design_size: int = Field(default=16, ge=1, description="Thetas drawn from the allocation grid (with a seed), "
                              "besides the default theta: every sample is answered under all of them.")
     design_seed: int = 0
-    design_extra: list[list[int]] = Field(
-        default=[[2, 64, 1, 0, 0], [4, 32, 1, 0, 0]],
-        description="Thetas (k, s, n, m, w) answered besides the drawn ones, each from the allocation grid: "
-        "several hits of few tokens each, at the memory tokens of the best single theta (1, 128, 1, 0, 0), for "
-        "questions after several things.",
-    )
+    design_extra: list[list[int]] = Field(default=[[2, 64, 1, 0, 0], [4, 32, 1, 0, 0]], description="Thetas "
+                                          "(k, s, n, m, w) of the grid answered besides the drawn ones.")
     holdout: int = Field(default=4, ge=2, description="Folds of the cross-validation over samples: each sample's "
                          "answers are predicted, and chosen for, by a fit without its fold.")
     max_new_tokens: int = Field(default=64, ge=1, description="Reply tokens, at least (`Sample.reply_tokens`).")

@@ -11,6 +11,7 @@ import torch
 
 from engramkv import EngineConfig, Session, cli
 from engramkv.config import RecallConfig, SegmentationConfig, StoreConfig, WindowConfig
+from engramkv.retrieval.allocation import FEATURES
 
 from conftest import VOCAB, tiny_pair
 
@@ -173,7 +174,7 @@ def test_calibrate_fit_only_writes_coefficients_an_ask_can_use(tmp_path, capsys)
     assert cli.main(["ask", "1 2 3", "--store", store, "--json", "--max-new-tokens", "2", "--allocation", "model",
                      "--coefficients", str(out)]) == 0
     plan = json.loads(capsys.readouterr().out.splitlines()[-1])["plan"]
-    assert plan["theta"] is not None and len(plan["features"]) == 5
+    assert plan["theta"] is not None and len(plan["features"]) == len(FEATURES)
 
 
 def test_fit_bases_writes_a_bases_file_and_refuses_to_overwrite_it(tmp_path, capsys):
