@@ -56,15 +56,22 @@ def test_every_sample_is_answered_under_the_design_once_and_a_rerun_resumes(tmp_
     assert run(lm, CFG, tmp_path, observations, lambda line: None) == 0
 
 
-def test_refeature_measures_again_the_features_of_older_observations_and_keeps_their_answers(tmp_path):
+def _answered_before_the_last_feature(tmp_path, first_row_zeros=False):
+    """A calibration run's lm, observations file and rows, the file rewritten without each row's last feature."""
     _, lm = tiny_pair("llama", CFG)
     lm.tokenizer = ModTokenizer()
     observations = tmp_path / "observations.jsonl"
     run(lm, CFG, tmp_path, observations, lambda line: None)
     rows = [json.loads(line) for line in observations.read_text().splitlines()]
-    older = [{**row, "features": row["features"][:-1]} for row in rows]  # written before the last feature
-    older[0]["features"] = [0.0] * (len(allocation.FEATURES) - 1)
+    older = [{**row, "features": row["features"][:-1]} for row in rows]
+    if first_row_zeros:
+        older[0]["features"] = [0.0] * (len(allocation.FEATURES) - 1)
     observations.write_text("".join(json.dumps(row) + "\n" for row in older))
+    return lm, observations, rows
+
+
+def test_refeature_measures_again_the_features_of_older_observations_and_keeps_their_answers(tmp_path):
+    lm, observations, rows = _answered_before_the_last_feature(tmp_path, first_row_zeros=True)
     assert refeature(lm, CFG, tmp_path, observations, lambda line: None) == 4  # every sample, once
     again = [json.loads(line) for line in observations.read_text().splitlines()]
     assert [r["features"] for r in again] == [r["features"] for r in rows]  # measured as the answers were
@@ -74,13 +81,7 @@ def test_refeature_measures_again_the_features_of_older_observations_and_keeps_t
 
 
 def test_a_theta_added_to_the_design_is_answered_and_gives_older_rows_the_features_measured_now(tmp_path):
-    _, lm = tiny_pair("llama", CFG)
-    lm.tokenizer = ModTokenizer()
-    observations = tmp_path / "observations.jsonl"
-    run(lm, CFG, tmp_path, observations, lambda line: None)
-    rows = [json.loads(line) for line in observations.read_text().splitlines()]
-    older = [{**row, "features": row["features"][:-1]} for row in rows]  # written before the last feature
-    observations.write_text("".join(json.dumps(row) + "\n" for row in older))
+    lm, observations, rows = _answered_before_the_last_feature(tmp_path)
     extra = Theta(1, 8, 1, 0, 0)
     assert extra not in design(CFG, Theta(2, 24, 1, 0, 64))
     extra_cfg = CFG.calibration.model_copy(update={"design_extra": [[1, 8, 1, 0, 0]]})
