@@ -109,17 +109,16 @@ def _rows(observations: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _done(observations: Path) -> set[tuple[str, tuple[int, ...]]]:
-    return {(row["sample"], tuple(row["theta"].values())) for row in _rows(observations)}
-
-
 def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
         progress: Callable[[str], None]) -> int:
     """Answer every sample under every theta of the design not yet in `observations`; returns the answers
     added. Each sample's store lives under `work_dir` until all its answers are in."""
     default = Answerer.default_for(cfg)
     thetas = design(cfg, default)
-    done, added = _done(observations), 0
+    rows, added = _rows(observations), 0
+    done = {(row["sample"], tuple(row["theta"].values())) for row in rows}
+    # Samples answered before a feature was added: their rows get the features of their first new answer.
+    stale = {row["sample"] for row in rows if len(row["features"]) != len(allocation.FEATURES)}
     observations.parent.mkdir(parents=True, exist_ok=True)
     answer_cfg = cfg.with_allocation_mode("fixed")
     for sample in samples(cfg, lm.tokenizer):
@@ -145,9 +144,9 @@ def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
             with observations.open("a") as out:
                 out.write(json.dumps(row) + "\n")
             added += 1
-            if any(len(old["features"]) != len(row["features"]) for old in _rows(observations)
-                   if old["sample"] == row["sample"]):  # answered before a feature was added
+            if row["sample"] in stale:
                 _set_features(observations, row["sample"], row["features"])
+                stale.discard(row["sample"])
             progress(f"{_key(sample)} {theta}: {row['score']:.2f} {reply[:60]!r}")
         lm.close()  # the sample's stores, before the next one opens
         shutil.rmtree(store, ignore_errors=True)
