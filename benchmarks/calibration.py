@@ -23,7 +23,6 @@ from _common import RESULTS, write_results
 from evalkit.stats import paired_bootstrap, sign_test, wilson
 from engramkv import EngineConfig, calibrate
 from engramkv.retrieval.allocation import coefficients_path
-from engramkv.hf import DEFAULT_MODEL_ID
 
 
 def main() -> None:
@@ -43,8 +42,7 @@ def main() -> None:
         lm = EpisodicLM.from_pretrained()
     out = RESULTS / "calibration"
     coefficients = out / f"{args.name}.coefficients.json"
-    report = calibrate(lm, cfg, coefficients, args.work_dir, fit_only=args.fit_only,
-                       model_id=None if lm else DEFAULT_MODEL_ID, progress=print)
+    report = calibrate(lm, cfg, coefficients, args.work_dir, fit_only=args.fit_only, progress=print)
     observations = out / f"{args.name}.observations.jsonl"
     shutil.copyfile(args.work_dir / "observations.jsonl", observations)
     rows = [json.loads(line) for line in observations.read_text().splitlines() if line.strip()]

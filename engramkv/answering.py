@@ -56,6 +56,28 @@ def demonstration_text(m: int) -> str:
     return "".join(f"\n\n{fact}\nQuestion: {asked}\nAnswer: {answer}" for fact, asked, answer in DEMONSTRATIONS[:m])
 
 
+def demonstration_ids(tokenizer: Any) -> list[list[int]]:
+    """The token ids of the first m demonstrations, for m = 0 .. len(DEMONSTRATIONS)."""
+    return [list(tokenizer.encode(demonstration_text(m), add_special_tokens=False))
+            for m in range(len(DEMONSTRATIONS) + 1)]
+
+
+def nominal_cost(cfg: EngineConfig, demonstration_tokens: Sequence[int], theta: Theta, fixed_tokens: int,
+                 local_tokens: int, piece: bool = False) -> int:
+    """Effective context tokens of an answer under `theta` (`allocation.cost`), what a choice is made on:
+    `fixed_tokens` are the sinks and the turn, `local_tokens` the local text before the turn,
+    `demonstration_tokens[m]` the tokens of m demonstrations. `piece`: the answer reads no memory and, of
+    the window, its best piece widened to k * s * n tokens (`Answerer.window_piece_plan`)."""
+    demo = demonstration_tokens[theta.m] / max(theta.m, 1)
+    if piece:
+        window = min(theta.k * theta.s * theta.n, cfg.recall.budget_tokens, local_tokens)
+        return fixed_tokens + window + theta.m * round(demo)
+    if theta.w >= min(cfg.window.n_local, local_tokens):  # the whole window, however long it is now
+        theta = dataclasses.replace(theta, w=local_tokens)
+    return allocation.cost(theta, fixed_tokens, round(demo), window_cap=local_tokens,
+                           memory_cap=cfg.recall.budget_tokens)
+
+
 @dataclass(frozen=True)
 class Assessment:
     """What is known of a question before it is answered."""
@@ -76,8 +98,7 @@ class Answerer:
         grid = [Theta(k, s, n, m, w) for k in alloc.k for s in alloc.s for n in alloc.n for m in alloc.m
                 for w in alloc.w if m <= len(DEMONSTRATIONS)]
         self.grid = model.candidates(grid) if model is not None else grid  # the thetas a choice is made among
-        self.demonstration_ids = [list(tokenizer.encode(demonstration_text(m), add_special_tokens=False))
-                                  for m in range(len(DEMONSTRATIONS) + 1)]
+        self.demonstration_ids = demonstration_ids(tokenizer)
 
     @staticmethod
     def default_for(cfg: EngineConfig) -> Theta:
@@ -138,17 +159,9 @@ class Answerer:
         return float(with_one[token] - without[token])
 
     def cost_of(self, theta: Theta, fixed_tokens: int, local_tokens: int, piece: bool = False) -> int:
-        """Effective context tokens of an answer under `theta` (`allocation.cost`): `fixed_tokens` are the
-        sinks and the turn, `local_tokens` the local text before the turn. `piece`: the answer reads no
-        memory and, of the window, its best piece widened to k * s * n tokens (`window_piece_plan`)."""
-        demo = len(self.demonstration_ids[theta.m]) / max(theta.m, 1)
-        if piece:
-            window = min(theta.k * theta.s * theta.n, self.cfg.recall.budget_tokens, local_tokens)
-            return fixed_tokens + window + theta.m * round(demo)
-        if theta.w >= min(self.cfg.window.n_local, local_tokens):  # the whole window, however long it is now
-            theta = dataclasses.replace(theta, w=local_tokens)
-        return allocation.cost(theta, fixed_tokens, round(demo), window_cap=local_tokens,
-                               memory_cap=self.cfg.recall.budget_tokens)
+        """`nominal_cost` of an answer of this session."""
+        return nominal_cost(self.cfg, [len(ids) for ids in self.demonstration_ids], theta, fixed_tokens,
+                            local_tokens, piece)
 
     def memory_budget(self, theta: Theta, limit: int | None, fixed_tokens: int, local_tokens: int,
                       piece: bool = False) -> int:

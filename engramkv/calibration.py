@@ -20,7 +20,7 @@ import json
 import math
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
@@ -28,10 +28,10 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel
 
-from engramkv.answering import Answerer
+from engramkv import hf
+from engramkv.answering import Answerer, demonstration_ids, nominal_cost
 from engramkv.config import EngineConfig
 from engramkv.errors import InputError
-from engramkv.hf import DEFAULT_MODEL_ID
 from engramkv.lm import EpisodicLM
 from engramkv.retrieval import allocation
 from engramkv.retrieval.allocation import AllocationModel, Theta
@@ -233,10 +233,12 @@ def _best_fixed(part: list[dict[str, Any]]) -> Theta:
     return max(by, key=lambda t: (sum(by[t]) / len(by[t]), -t.k * t.s * t.n))
 
 
-def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> CalibrationReport:
+def fit_observations(cfg: EngineConfig, model_id: str, observations: Path, demonstration_tokens: Sequence[int]
+                     ) -> CalibrationReport:
     """Fit the allocation model on `observations` and report it, cross-validated over samples: the samples are
     cut into `holdout` folds; each fold is predicted, and answered by the model's choice, from a fit on the
-    others (and the best fixed theta chosen on the others). The model returned is fitted on every sample."""
+    others (and the best fixed theta chosen on the others). The model returned is fitted on every sample.
+    `demonstration_tokens[m]`: the model's tokens of m demonstrations (what a choice prices them at)."""
     rows = _rows(observations)
     if not rows:
         raise InputError(f"{observations} holds no observations; run `engramkv calibrate` without --fit-only")
@@ -254,8 +256,8 @@ def fit_observations(cfg: EngineConfig, model_id: str, observations: Path) -> Ca
         fitted = _fits(train, cfg)
         for name, model in fitted.items():
             predicted[name] += [(row, model) for row in test]
-        for name, picked in _held_out_choice(fitted["model"], test, default, _best_fixed(train),
-                                              cfg).items():
+        for name, picked in _held_out_choice(fitted["model"], test, default, _best_fixed(train), cfg,
+                                              demonstration_tokens).items():
             chosen[name] += picked
     everything = _fits(rows, cfg)
     fits = {}
@@ -304,13 +306,21 @@ CHOICES = ("default", "best_fixed", "model", "model_as_shipped")
 
 
 def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default: Theta, best_fixed: Theta,
-                     cfg: EngineConfig) -> dict[str, list[dict[str, Any]]]:
+                     cfg: EngineConfig, demonstration_tokens: Sequence[int]) -> dict[str, list[dict[str, Any]]]:
     """Per held-out sample, the answer under the default theta, under the best fixed one, and under the
-    model's choice among the design's thetas as `Answerer.choose` makes it (the tolerance; the whole window
-    where the window matches better than memory, scored as measured: the observations read that window
-    whole, where a chosen answer reads its best piece, `Answerer.window_piece_plan`): within the best
-    fixed theta's context (no more tokens; without the window rule where no whole-window theta fits), and
-    as shipped (`allocation.default_limit`: the same limit, or none)."""
+    model's choice among the thetas that sample was answered under, made as `Answerer.choose` makes it: on
+    nominal costs (`answering.nominal_cost`; the thetas' measured contexts differ by a few tokens where
+    their nominal costs tie, which must not decide) with the tolerance, among those that read the whole
+    window where the window matches better than memory; within the best fixed theta's nominal cost
+    (`model`) and as shipped (`model_as_shipped`: `allocation.default_limit`, that limit or none). A
+    session prices a whole-window theta there as the window's best piece, which no observation read (they
+    read the window whole): where no whole-window theta fits the limit at its whole cost, the choice is
+    made without the window rule."""
+    window = cfg.window.n_local  # a calibration document ends in a full window
+
+    def cost(theta: Theta) -> int:  # the sinks and the turn are the same for every theta
+        return nominal_cost(cfg, demonstration_tokens, theta, 0, window)
+
     by_sample: dict[str, dict[Theta, dict[str, Any]]] = {}
     for row in test:
         by_sample.setdefault(row["sample"], {})[Theta(**row["theta"])] = row
@@ -321,13 +331,12 @@ def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default
         features = torch.tensor(answers[default]["features"], dtype=torch.float64)
         # The window-versus-memory margin feature is what `question.window_answers` compares.
         window_answers = float(features[allocation.FEATURES.index("window_margin")]) > cfg.recall.window_margin
-        allowed = allocation.whole_window(list(answers), window_answers, max(t.w for t in answers))
-        within = answers[best_fixed]["context_tokens"]
+        allowed = allocation.whole_window(list(answers), window_answers, window)
+        within = cost(best_fixed)
         shipped = within if cfg.allocation.default_limit == "best_fixed" else math.inf
         for name, limit in (("model", within), ("model_as_shipped", shipped)):
-            pool = [t for t in allowed if answers[t]["context_tokens"] <= limit] or list(answers)
-            choice = allocation.choose(model, pool, features, limit, lambda t: answers[t]["context_tokens"],
-                                       cfg.allocation.tolerance)
+            pool = [t for t in allowed if cost(t) <= limit] or list(answers)
+            choice = allocation.choose(model, pool, features, limit, cost, cfg.allocation.tolerance)
             picked[name].append(answers[choice])  # type: ignore[index]  # the best fixed theta always fits
         picked["default"].append(answers[default])
         picked["best_fixed"].append(answers[best_fixed])
@@ -337,19 +346,20 @@ def _held_out_choice(model: AllocationModel, test: list[dict[str, Any]], default
 def calibrate(lm: EpisodicLM | None, cfg: EngineConfig, out: Path, work_dir: Path, fit_only: bool = False,
               model_id: str | None = None, progress: Callable[[str], None] | None = None,
               refeature_only: bool = False) -> CalibrationReport:
-    """Run what is missing of the calibration on `lm` (unless `fit_only`: then `lm` may be None and `model_id`
-    names the model, by default the embedded one), fit, and write the report to `out` (JSON; what
-    `allocation.coefficients` reads). `refeature_only`: instead of answering, measure again the features of
-    observations made before a feature was added (`refeature`). The observations live in
-    `work_dir/observations.jsonl`."""
+    """Run what is missing of the calibration on `lm` (unless `fit_only`: then `lm` may be None, the fit
+    loads `cfg.model`'s tokenizer alone, and `model_id` names the model, by default `cfg.model`'s), fit, and
+    write the report to `out` (JSON; what `allocation.coefficients` reads). `refeature_only`: instead of
+    answering, measure again the features of observations made before a feature was added (`refeature`).
+    The observations live in `work_dir/observations.jsonl`."""
     observations = work_dir / "observations.jsonl"
     if not fit_only:
         if lm is None:
             raise InputError("calibrate needs a model unless fit_only")
         step = refeature if refeature_only else run
         step(lm, cfg, work_dir, observations, progress or (lambda line: None))
-    model_id = model_id or (lm.spec.model_id if lm is not None else DEFAULT_MODEL_ID)
-    report = fit_observations(cfg, model_id, observations)
+    tokenizer, loaded_id = (lm.tokenizer, lm.spec.model_id) if lm is not None else hf.load_tokenizer(cfg.model)
+    demonstrations = [len(ids) for ids in demonstration_ids(tokenizer)]
+    report = fit_observations(cfg, model_id or loaded_id, observations, demonstrations)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report.model_dump_json(indent=2) + "\n")
     return report

@@ -72,8 +72,8 @@ def default_model_dir() -> Path:
     return directory
 
 
-def load_pretrained(cfg: ModelConfig) -> tuple[PreTrainedModel, Any, str]:
-    """Load model and tokenizer per `cfg`; returns (model, tokenizer, model_id). Never downloads unless allowed."""
+def _source(cfg: ModelConfig) -> tuple[str, dict[str, Any], str]:
+    """(where the checkpoint is, the from_pretrained options, model_id) per `cfg`."""
     gguf: str | None
     if cfg.name_or_path is None:
         source, gguf, model_id = str(default_model_dir()), DEFAULT_GGUF_FILE, DEFAULT_MODEL_ID
@@ -82,13 +82,34 @@ def load_pretrained(cfg: ModelConfig) -> tuple[PreTrainedModel, Any, str]:
     extra: dict[str, Any] = {"local_files_only": not cfg.allow_download}
     if gguf is not None:
         extra["gguf_file"] = gguf
+    return source, extra, model_id
+
+
+def _load_error(cfg: ModelConfig, source: str, exc: Exception) -> ModelLoadError:
+    hint = "" if cfg.allow_download else " (downloads are off: pass a local path, or allow_download=True)"
+    return ModelLoadError(f"cannot load model {source!r}: {exc}{hint}")
+
+
+def load_tokenizer(cfg: ModelConfig) -> tuple[Any, str]:
+    """The tokenizer of `cfg`'s model without its weights (a calibration fit needs its token counts);
+    returns (tokenizer, model_id)."""
+    source, extra, model_id = _source(cfg)
+    try:
+        with contextlib.nullcontext() if cfg.load_progress else _without_progress_bars():
+            return AutoTokenizer.from_pretrained(source, **extra), model_id
+    except (OSError, ValueError) as exc:
+        raise _load_error(cfg, source, exc) from exc
+
+
+def load_pretrained(cfg: ModelConfig) -> tuple[PreTrainedModel, Any, str]:
+    """Load model and tokenizer per `cfg`; returns (model, tokenizer, model_id). Never downloads unless allowed."""
+    source, extra, model_id = _source(cfg)
     try:
         with contextlib.nullcontext() if cfg.load_progress else _without_progress_bars():
             tokenizer = AutoTokenizer.from_pretrained(source, **extra)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=_DTYPES[cfg.dtype], **extra)
     except (OSError, ValueError) as exc:
-        hint = "" if cfg.allow_download else " (downloads are off: pass a local path, or allow_download=True)"
-        raise ModelLoadError(f"cannot load model {source!r}: {exc}{hint}") from exc
+        raise _load_error(cfg, source, exc) from exc
     if cfg.device != "cpu":
         model = model.to(torch.device(cfg.device))  # type: ignore[arg-type]  # transformers wraps .to
     model.eval()

@@ -9,7 +9,7 @@ import torch
 
 from engramkv import EngineConfig, InputError, Theta, calibrate
 from engramkv.retrieval.allocation import load_model as allocation_model
-from engramkv.calibration import design, fit_observations, refeature, run
+from engramkv.calibration import _held_out_choice, design, fit_observations, refeature, run
 from engramkv.config import AllocationConfig, CalibrationConfig, RecallConfig, SegmentationConfig, WindowConfig
 from engramkv.retrieval import allocation
 from engramkv.retrieval.allocation import AllocationModel
@@ -112,7 +112,8 @@ def _synthetic_observations(path, truth, n_samples=40):
                 score = truth.predict(theta, torch.tensor(features, dtype=torch.float64))
                 out.write(json.dumps({"sample": f"s{i}", "task": "t", "length": 0, "seed": i,
                                       "theta": theta.__dict__, "features": features, "reply": "",
-                                      "score": score, "context_tokens": theta.k * theta.s * theta.n}) + "\n")
+                                      "score": score,
+                                      "context_tokens": theta.k * theta.s * theta.n + theta.w + 40 * theta.m}) + "\n")
 
 
 def test_the_fit_reports_held_out_quality_and_writes_loadable_coefficients(tmp_path):
@@ -134,10 +135,27 @@ def test_the_fit_reports_held_out_quality_and_writes_loadable_coefficients(tmp_p
     assert report.held_out_context["model"] <= report.held_out_context["best_fixed"]
 
 
+def test_the_held_out_choice_is_made_on_nominal_costs_as_a_session_makes_it():
+    # (1, 128) and (4, 32) read 128 memory tokens each; measured, the k = 4 answer read 3 fewer (event
+    # boundaries), which must not decide between them: a session prices both the same and takes the better
+    # predicted, here k = 1 (the slope on k is negative, both within the tolerance of the best).
+    cfg = EngineConfig()
+    model = AllocationModel(a=[-0.1, 0.0, 0.0, 0.0, 0.0], b=[[0.0] * 6 for _ in range(5)], c=0.0, eps=0.01,
+                            features=list(allocation.FEATURES))
+    default, one, four = Theta(4, 128, 1, 0, 1024), Theta(1, 128, 1, 0, 0), Theta(4, 32, 1, 0, 0)
+    assert model.predict(one, torch.zeros(6)) - model.predict(four, torch.zeros(6)) < cfg.allocation.tolerance
+    features = [3.0, 0.5, 4.0, -1.0, 0.1, 0.0]  # the window matches far worse than memory
+    rows = [{"sample": "s", "theta": theta.__dict__, "features": features, "score": score, "context_tokens": tokens}
+            for theta, score, tokens in ((default, 0.0, 1700), (one, 1.0, 250), (four, 0.0, 247))]
+    picked = _held_out_choice(model, rows, default, four, cfg, [0, 42, 80, 120])
+    assert [row["theta"] for row in picked["model"]] == [one.__dict__]
+    assert [row["theta"] for row in picked["model_as_shipped"]] == [one.__dict__]
+
+
 def test_a_fit_without_observations_is_an_input_error(tmp_path):
     (tmp_path / "observations.jsonl").write_text("")
     with pytest.raises(InputError):
-        fit_observations(EngineConfig(), "m", tmp_path / "observations.jsonl")
+        fit_observations(EngineConfig(), "m", tmp_path / "observations.jsonl", [0, 40, 80, 120])
 
 
 def test_a_degenerate_reply_is_cut_at_its_repeat():

@@ -168,7 +168,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     cfg = _with_options(base, ("calibration",), args, ("tasks", "lengths", "samples", "design_size"))
     if args.fit_only and args.refeature:
         raise InputError("--refeature measures features with the model; it cannot be combined with --fit-only")
-    lm = None if args.fit_only else _model(args)  # a fit alone needs no model, only its id
+    if args.model:
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": args.model})})
+    lm = None if args.fit_only else _model(args)  # a fit alone needs the model's tokenizer, not its weights
     report = calibrate(lm, cfg, Path(args.out), Path(args.work_dir), fit_only=args.fit_only,
                        model_id=args.model_id, progress=None if args.json else _progress_line,
                        refeature_only=args.refeature)

@@ -93,9 +93,10 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
     p.add_argument("--refeature", action="store_true",
                    help="answer nothing: measure again the features of observations written before a feature "
                    "was added (each document ingested again), then fit")
-    p.add_argument("--model-id", default=None, help="with --fit-only: the model the observations are of "
-                   "(default: the embedded model's id)")
-    p.add_argument("--model", default=None, help="hub id or local path of the model to calibrate (default: embedded)")
+    p.add_argument("--model-id", default=None, help="with --fit-only: the id the coefficients are written for "
+                   "(default: --model's)")
+    p.add_argument("--model", default=None, help="hub id or local path of the model to calibrate (default: "
+                   "embedded); with --fit-only only its tokenizer is loaded")
     p.add_argument("--config", default=None, metavar="FILE",
                    help='JSON of the EngineConfig fields to change, e.g. {"recall": {"answer_reading": "centred"}}; '
                    "the options above override its calibration fields")
