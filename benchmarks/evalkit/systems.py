@@ -26,7 +26,8 @@ Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --
   engram-alloc-candidate  the allocation model of a candidate calibration not shipped
                           (benchmarks/results/calibration/candidate.coefficients.json): judged on the grid
                           before it replaces the shipped one
-  engram-chat / engram-alloc-chat / engram-best-chat / engram-alloc-candidate-chat
+  engram-best-candidate   engramkv under the best single fixed theta of that candidate calibration
+  engram-chat / engram-alloc-chat / engram-best-chat / engram-alloc-candidate-chat / engram-best-candidate-chat
                           the same, the question asked as a user asks it (`Session.chat`, what
                           `engramkv ask` and the TUI do) instead of with the benchmark's prompt
 
@@ -445,13 +446,18 @@ CANDIDATE = ALLOCATION.model_copy(update={"allocation": ALLOCATION.allocation.mo
 # Systems that differ from engram only at question time: one ingest per sample serves them all. "-chat": the
 # question asked as a user asks it (Session.chat); without: the benchmark's own prompt (Session.generate).
 QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best",
-                 "engram-alloc-candidate": "candidate"}
-CONFIGS = {"fixed": FIXED, "best": FIXED, "model": ALLOCATION, "candidate": CANDIDATE}
+                 "engram-alloc-candidate": "candidate", "engram-best-candidate": "best-candidate"}
+CONFIGS = {"fixed": FIXED, "best": FIXED, "model": ALLOCATION, "candidate": CANDIDATE, "best-candidate": FIXED}
+CANDIDATE_SYSTEMS = ("engram-alloc-candidate", "engram-best-candidate")  # judged on the grid before they ship
 
 
 def _question_time_system(kind: str, chat_path: bool) -> SystemFn:
     def answer(models: Models, sample: Sample) -> Run:
-        theta = Theta(**shipped_calibration(models.model_id)["best_fixed_theta"]) if kind == "best" else None
+        theta = None
+        if kind == "best":
+            theta = Theta(**shipped_calibration(models.model_id)["best_fixed_theta"])
+        elif kind == "best-candidate":
+            theta = Theta(**json.loads(CANDIDATE_COEFFICIENTS.read_text())["best_fixed_theta"])
         return _question_time_run(models, sample, CONFIGS[kind], chat_path, theta)
     return answer
 
@@ -461,11 +467,11 @@ for _name, _kind in QUESTION_TIME.items():
     SYSTEMS[f"{_name}-chat"] = _question_time_system(_kind, chat_path=True)
 OPTIONAL_SYSTEMS = ("full-around-fact", "engram-before-question", "engram-fixed", *(s for s in VARIANTS if s.startswith("engram-store-")),
                     *(s for s in SYSTEMS if s.endswith("-chat") or s in ("engram-alloc", "engram-best",
-                                                                          "engram-alloc-candidate")))
+                                                                          *CANDIDATE_SYSTEMS)))
 DEFAULT_SYSTEMS = [name for name in SYSTEMS if name not in OPTIONAL_SYSTEMS]
 # The allocation grid of issue 17: the engram systems on both prompt paths against RAG and full attention.
 ALLOCATION_SYSTEMS = ["full", "full-around-fact", "rag", *(f"{n}{path}" for n in QUESTION_TIME
-                                                          if n != "engram-alloc-candidate" for path in ("", "-chat"))]
+                                                          if n not in CANDIDATE_SYSTEMS for path in ("", "-chat"))]
 
 
 def system_config(name: str) -> Any:
@@ -476,6 +482,7 @@ def system_config(name: str) -> Any:
         theta = {"best": "the best fixed theta of the shipped calibration",
                  "model": "the allocation model's choice (shipped coefficients)",
                  "candidate": f"the allocation model's choice (the coefficients of {CANDIDATE_COEFFICIENTS.name})",
+                 "best-candidate": f"the best fixed theta of {CANDIDATE_COEFFICIENTS.name}",
                  "fixed": "the fixed default"}[kind]
         return {"engine": CONFIGS[kind].model_dump(mode="json"), "asked_with": path, "theta": theta,
                 "ingest": "one in-RAM stream per sample, shared by the question-time systems (Session.fork)"}
