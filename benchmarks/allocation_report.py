@@ -135,6 +135,7 @@ def report(runs: list[dict[str, Any]], sources: dict[str, Any]) -> list[str]:
     lines += _against_rag(by, tasks, lengths)
     lines += _parity(by, tasks, lengths)
     lines += _candidate(by, tasks, lengths)
+    lines += _against_fixed(by, lengths, "engram-alloc-candidate", "engram-best-candidate", "The candidate model")
     return lines
 
 
@@ -169,23 +170,28 @@ def _candidate(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], lengt
     return lines
 
 
-def _against_fixed(by: dict[str, dict[Key, dict[str, Any]]], lengths: list[int]) -> list[str]:
-    lines = ["", "## The allocation model against fixed thetas (all tasks pooled)", "",
+def _against_fixed(by: dict[str, dict[Key, dict[str, Any]]], lengths: list[int], model_system: str = "engram-alloc",
+                   best_system: str = "engram-best", title: str = "The allocation model") -> list[str]:
+    """`model_system` against `best_system` (a best fixed theta) and the fixed default, per path and length."""
+    if not any(s.startswith(model_system) for s in by):
+        return []
+    lines = ["", f"## {title} against fixed thetas (all tasks pooled)", "",
              "Paired on the samples both systems answered: the mean difference (95% bootstrap interval), and "
              "the samples answered better / worse (two-sided sign test). Target: the model >= the best fixed "
              "theta at no more mean context.", "",
              "| path | length | system | mean score (n) | mean context | model against it |", "|---|---|---|---|---|---|"]
     for path in ("", "-chat"):
-        model = by.get(f"engram-alloc{path}", {})
+        model = by.get(f"{model_system}{path}", {})
         for length in lengths:
             keys = sorted(k for k in model if k[1] == length)
             if not keys:
                 continue
-            for system in (f"engram-alloc{path}", f"engram-best{path}", f"engram{path}"):
-                runs = [r for k, r in by.get(system, {}).items() if k[1] == length]
+            for system in (f"{model_system}{path}", f"{best_system}{path}", f"engram{path}"):
+                # Over the samples the model answered, so that each row's mean is of the same samples.
+                runs = [r for k, r in by.get(system, {}).items() if k in model and k[1] == length]
                 if not runs:
                     continue
-                versus = "-" if system.startswith("engram-alloc") else _paired(model, by[system], keys)
+                versus = "-" if system.startswith(model_system) else _paired(model, by[system], keys)
                 lines.append(f"| {'chat' if path else 'prompt'} | {length:,} | {system} | "
                              f"{_mean([r['score'] for r in runs]):.3f} ({len(runs)}) | {_context(runs)} | {versus} |")
     return lines

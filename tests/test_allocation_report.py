@@ -52,6 +52,8 @@ def test_a_candidate_model_is_paired_with_the_shipped_one_and_rag_and_read_by_de
     shipped += [_run("niah-multivalue", "rag", s, 0.25, length=8192) for s in range(20)]
     candidate = [_run("niah-multivalue", "engram-alloc-candidate", s, 0.5 if s < 10 else 0.0, length=8192,
                       context=290) for s in range(20)]
+    candidate += [_run("niah-multivalue", "engram-best-candidate", s, 1.0 if s < 5 else 0.0, length=8192,
+                       context=280) for s in range(20)]
     _write(tmp_path, "allocation_a", shipped)
     _write(tmp_path, "allocation_b", [])
     _write(tmp_path, "allocation_c", candidate)  # no allocation_d: the defaults skip it
@@ -61,6 +63,9 @@ def test_a_candidate_model_is_paired_with_the_shipped_one_and_rag_and_read_by_de
     assert "| 0.25 (20) | 290 | 0.00 | 300 | +0.250 (" in row and "; n 20); 10 / 0 (p " in row
     assert row.endswith("; n 20); 10 / 10 (p 1.000) |")  # against RAG's 0.25 everywhere
     assert "| chat |" not in md.split("## A candidate model")[1]  # no candidate chat runs
+    against_best = md.split("## The candidate model against fixed thetas")[1]  # its own best fixed theta
+    assert "| prompt | 8,192 | engram-best-candidate | 0.250 (20) | 280 | +0.000 (" in against_best
+    assert "; n 20); 5 / 5 (p 1.000) |" in against_best
 
 
 def test_a_missing_or_foreign_file_is_a_clear_error(tmp_path):
