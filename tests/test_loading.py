@@ -3,7 +3,8 @@
 import pytest
 
 from engramkv import EngineConfig, EpisodicLM, ModelLoadError, WindowConfig
-from engramkv.hf import default_model_dir
+from engramkv.config import ModelConfig
+from engramkv.hf import DEFAULT_MODEL_ID, default_model_dir, load_pretrained, load_tokenizer
 
 from conftest import tiny_model
 
@@ -27,6 +28,17 @@ def test_local_checkpoint_directory_loads_offline(tmp_path):
 def test_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="cannot load model"):
         EpisodicLM.from_pretrained(str(tmp_path / "nothing-here"))
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        load_tokenizer(ModelConfig(name_or_path=str(tmp_path / "nothing-here")))
+
+
+def test_a_tokenizer_loads_alone_as_the_model_loads_it():
+    # A calibration fit prices demonstrations in the model's tokens without loading its weights.
+    tokenizer, model_id = load_tokenizer(ModelConfig())
+    _, full, full_id = load_pretrained(ModelConfig())
+    assert model_id == full_id == DEFAULT_MODEL_ID
+    text = "Question: What is the pass key?\nAnswer:"
+    assert tokenizer.encode(text, add_special_tokens=False) == full.encode(text, add_special_tokens=False)
 
 
 def test_embedded_model_ships_in_the_wheel():
