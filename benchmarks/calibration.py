@@ -32,9 +32,12 @@ def main() -> None:
     parser.add_argument("--ship", action="store_true", help="write the coefficients into engramkv/coefficients/")
     parser.add_argument("--ran", action="append", default=[], help="a command that wrote the observations")
     parser.add_argument("--name", default="calibration")
+    parser.add_argument("--features", nargs="+", default=None, metavar="FEATURE",
+                        help="the informativeness features the fit uses (allocation.features; default: all)")
     args = parser.parse_args()
 
     cfg = EngineConfig()
+    cfg = cfg.model_copy(update={"allocation": cfg.allocation.model_copy(update={"features": args.features})})
     lm = None
     if not args.fit_only:
         from engramkv import EpisodicLM
@@ -70,7 +73,7 @@ def main() -> None:
              "the coefficients shipped are fitted on all of them.", "",
              "## Fit, out of fold", "",
              "`model`: logit(P) = (a + B i)^T log(theta + eps) + c; `no_interaction`: B = 0 (the paper's ablation); "
-             "`linear`: the same regressors fitted to P itself. Per cell: predicted and observed scores averaged "
+             f"`linear`: the same regressors fitted to P itself; i: the features {report.model.features}. Per cell: predicted and observed scores averaged "
              "over the samples of one task, length and theta. The paper reports R^2 0.903 for its generator's "
              "averaged metrics. Ridge: the term each fit on all samples kept (of "
              f"{cfg.allocation.ridge}, by the least held-out MSE; inside each fold, chosen on that fold's "

@@ -147,6 +147,10 @@ class Answerer:
         stream = self.state.stream
         return stream.local_start + max(resident - stream.sink_len, 0)
 
+    def model_uses_i_doc(self) -> bool:
+        """Whether the model's choice reads i_doc (its two probes are spent only then, or for a given theta)."""
+        return self.model is not None and "i_doc" in self.model.features
+
     def _i_doc(self, ids: torch.Tensor, matched: QuestionMatch) -> float:
         """The change in the first answer token's log-probability with the best event against none."""
         if not matched.hits:
@@ -237,7 +241,7 @@ class Answerer:
         if span is None or (plan.budget == 0 and self.model is None and theta is None):
             return dataclasses.replace(plan, context_tokens=fixed + local + plan.budget)
         reader.flush()  # the probe reads the prompt after everything queued
-        assessment = self.assess(prompt_ids, span, with_i_doc=theta is not None or self.model is not None)
+        assessment = self.assess(prompt_ids, span, with_i_doc=theta is not None or self.model_uses_i_doc())
         chosen, theta = theta is None or allocated, theta or self.choose(assessment, limit, fixed, local)
         if theta.m:
             reader.flush(plan, token_ids=self.demonstration_ids[theta.m])
@@ -382,7 +386,8 @@ def allocate_turns(answerer: Answerer, reader: Reader, messages: Sequence[str], 
         default = answerer.default_theta()
         thetas: list[Theta | None] = [default] * len(turns)
     else:
-        assessed = [answerer.assess(t.prompt_ids, t.question_span, with_i_doc=True) for t in turns]
+        assessed = [answerer.assess(t.prompt_ids, t.question_span, with_i_doc=answerer.model_uses_i_doc())
+                    for t in turns]
         # The window rule of `Answerer.choose`, per question.
         grids = [allocation.whole_window(answerer.grid, question.window_answers(a.matched, cfg.recall),
                                          cfg.window.n_local) for a in assessed]

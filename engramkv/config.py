@@ -188,10 +188,8 @@ class AllocationConfig(_Strict):
         description="Grid: tokens of local text before the prompt the answer attends to (the sinks always).",
     )
     draft_tokens: int = Field(default=12, ge=1, description="Length of the draft a second recall round matches with.")
-    i_doc: bool = Field(
-        default=True,
-        description="Measure i_doc (two extra probes of the prompt: with the best event, with none) as a feature.",
-    )
+    i_doc: bool = Field(default=True, description="Measure i_doc (two extra probes of the prompt: with the best "
+                        "event, with none) as a feature, where the model uses it or a theta is given.")
     eps: float = Field(default=0.01, gt=0, description="log(theta + eps): keeps a zero parameter finite (the paper's).")
     score_clip: float = Field(
         default=0.02, gt=0, lt=0.5,
@@ -219,6 +217,8 @@ class AllocationConfig(_Strict):
         "`calibration.holdout` folds). The features vary per sample, not per answer, so a few dozen "
         "calibration samples carry B's 25 entries: the data decide how far to shrink them.",
     )
+    features: list[str] | None = Field(default=None, min_length=1, description="Informativeness features the fit "
+                                       "uses (of `allocation.FEATURES`, in its order); None: all.")
 
     @model_validator(mode="after")
     def _grid_values(self) -> AllocationConfig:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engramkv.config import AllocationConfig
-from engramkv.errors import ConfigError
+from engramkv.errors import ConfigError, InputError
 from engramkv.retrieval.allocation import (
     FEATURES,
     AllocationModel,
@@ -56,6 +56,33 @@ def test_the_fit_recovers_known_coefficients_from_synthetic_data():
     assert abs(fitted.c - truth.c) < 1e-6
     plain = fit(thetas, infos, scores, CFG, ridge=1.0, with_interaction=False)  # the ablation: B = 0
     assert torch.count_nonzero(torch.tensor(plain.b)) == 0
+
+
+def test_a_fit_on_named_features_recovers_them_and_ignores_the_others():
+    # Scores made by a model of four features (no window margin, no i_doc): fitted on those four by name, it is
+    # recovered; the other features measured beside them move nothing; a name out of order is refused.
+    used = ["margin", "entropy", "above", "several"]
+    g = torch.Generator().manual_seed(2)
+    truth = AllocationModel(a=(torch.randn(5, generator=g, dtype=torch.float64) * 0.3).tolist(),
+                            b=(torch.randn(5, 4, generator=g, dtype=torch.float64) * 0.1).tolist(), c=-0.5,
+                            eps=CFG.eps, features=used)
+    rng = random.Random(3)
+    thetas, infos, scores = [], [], []
+    for _ in range(600):
+        thetas.append(rng.choice(GRID))
+        infos.append(torch.tensor([rng.uniform(0, 4), rng.uniform(0, 1), rng.randint(0, 5), rng.uniform(-0.05, 0.05),
+                                   rng.uniform(-2, 2), rng.randint(0, 1)], dtype=torch.float64))
+        scores.append(truth.predict(thetas[-1], infos[-1]))
+    fitted = fit(thetas, infos, scores, AllocationConfig(score_clip=1e-6, features=used), ridge=0.0)
+    assert fitted.features == used
+    assert torch.allclose(torch.tensor(fitted.b), torch.tensor(truth.b), atol=1e-6)
+    moved = infos[0].clone()
+    moved[FEATURES.index("i_doc")] += 5.0
+    assert fitted.predict(thetas[0], moved) == fitted.predict(thetas[0], infos[0])
+    with pytest.raises(InputError, match="in that order"):
+        fit(thetas, infos, scores, AllocationConfig(features=["entropy", "margin"]), ridge=0.0)
+    with pytest.raises(InputError, match="in that order"):
+        fit(thetas, infos, scores, AllocationConfig(features=["margin", "nonsense"]), ridge=0.0)
 
 
 def _synthetic(truth, n, seed, noise_only=False):

@@ -105,9 +105,9 @@ def test_a_theta_outside_its_ranges_is_an_input_error():
         session.chat("1 2", theta=Theta(1, 8, 1, len(DEMONSTRATIONS) + 1, 0))
 
 
-def _coefficients(tmp_path, model_id="tiny-llama", a=None, best_fixed=None):
-    model = AllocationModel(a=a or [0.5, 0.2, 0.0, 0.0, -0.1], b=[[0.0] * len(FEATURES) for _ in PARAMETERS],
-                            c=-1.0, eps=0.01, best_fixed=best_fixed, features=list(FEATURES))
+def _coefficients(tmp_path, model_id="tiny-llama", a=None, best_fixed=None, features=FEATURES):
+    model = AllocationModel(a=a or [0.5, 0.2, 0.0, 0.0, -0.1], b=[[0.0] * len(features) for _ in PARAMETERS],
+                            c=-1.0, eps=0.01, best_fixed=best_fixed, features=list(features))
     path = tmp_path / "coefficients.json"
     path.write_text(json.dumps({"model_id": model_id, "model": model.model_dump()}))
     return path
@@ -124,6 +124,22 @@ def test_the_model_mode_chooses_theta_within_the_limit(tmp_path):
     # more events and tokens per event help under these coefficients: with room, it takes more
     session.chat("1 2 3", budget_tokens=5000, max_new_tokens=2)
     assert session.last_plan.theta.k * session.last_plan.theta.s >= plan.theta.k * plan.theta.s
+
+
+def test_a_model_fitted_without_i_doc_spends_no_probes_on_it(tmp_path, monkeypatch):
+    without = [name for name in FEATURES if name != "i_doc"]
+    probes = []
+    for features in (FEATURES, without):
+        cfg = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(
+            update={"mode": "model", "coefficients": str(_coefficients(tmp_path, features=features))})})
+        _, session = _session(cfg)
+        calls = []
+        measure = session._answerer._i_doc
+        monkeypatch.setattr(session._answerer, "_i_doc", lambda *args: calls.append(1) or measure(*args))
+        session.chat("1 2 3", max_new_tokens=2)
+        probes.append(len(calls))
+        assert session.last_plan.theta in session._answerer.grid
+    assert probes == [1, 0]
 
 
 def test_by_default_the_model_reads_no_more_than_the_best_fixed_theta_would(tmp_path):

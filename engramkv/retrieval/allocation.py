@@ -154,16 +154,20 @@ def fit(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence
     """Ridge least squares of the predicted score against the observed one: through the logit link
     (Gauss-Newton), or of the regressors on the score itself (link "linear", closed form). Without the
     interaction B is zero (the paper's ablation). The features of `infos` are the first F of FEATURES
-    (features are only ever added at the end). The ridge acts on features standardised over the
-    observations (a count and a cosine margin differ by orders of magnitude); the coefficients returned
-    are for the raw features."""
+    (features are only ever added at the end); the fit uses those of `cfg.features` (None: all F). The
+    ridge acts on features standardised over the observations (a count and a cosine margin differ by
+    orders of magnitude); the coefficients returned are for the raw features."""
     if not thetas or not len(thetas) == len(infos) == len(scores):
         raise InputError("fit needs as many thetas, feature vectors and scores, at least one")
-    raw = torch.stack([i.double() for i in infos])  # (N, F)
+    measured = FEATURES[: len(infos[0])]
+    used = list(measured) if cfg.features is None else cfg.features
+    if [name for name in measured if name in used] != used:
+        raise InputError(f"allocation.features {used}: names of the features measured, {list(measured)}, "
+                         "in that order")
+    raw = torch.stack([i.double() for i in infos])[:, [measured.index(name) for name in used]]  # (N, F)
     mean, std = raw.mean(dim=0), raw.std(dim=0, unbiased=False)
     std = torch.where(std > 1e-9, std, torch.ones_like(std))  # a constant feature stays as it is
-    x = torch.stack([design_row(t, (i.double() - mean) / std, cfg.eps, with_interaction)
-                     for t, i in zip(thetas, infos)])  # (N, R)
+    x = torch.stack([design_row(t, (i - mean) / std, cfg.eps, with_interaction) for t, i in zip(thetas, raw)])  # (N, R)
     y = torch.tensor(scores, dtype=torch.float64)  # (N,)
     shrunk = torch.ones(x.shape[1], dtype=torch.float64)
     shrunk[-1] = 0.0  # the intercept is not shrunk
@@ -179,7 +183,7 @@ def fit(thetas: Sequence[Theta], infos: Sequence[torch.Tensor], scores: Sequence
     return AllocationModel(a=(a - b @ (mean / std)).tolist(), b=(b / std).tolist(), c=float(coef[-1]),
                            eps=cfg.eps, link=link, low=raw.min(dim=0).values.tolist(),
                            high=raw.max(dim=0).values.tolist(), ridge=ridge,
-                           features=list(FEATURES[: raw.shape[1]]))
+                           features=used)
 
 
 def _gauss_newton(x: torch.Tensor, y: torch.Tensor, penalty: torch.Tensor, clip: float,
