@@ -76,8 +76,8 @@ def main() -> None:
              f"`linear`: the same regressors fitted to P itself; i: the features {report.model.features}. Per "
              "cell: predicted and observed scores averaged over the samples of one task, length and theta. The "
              "paper reports R^2 0.903 for its generator's averaged metrics. Ridge: the term each fit on all "
-             f"samples kept (of {cfg.allocation.ridge}, by the least held-out MSE; inside each fold, chosen on that fold's "
-             "training samples alone).", "",
+             f"samples kept (of {cfg.allocation.ridge}, by the least held-out MSE; inside each fold, chosen on "
+             "that fold's training samples alone).", "",
              "| fit | R^2 per answer | MSE per answer | R^2 per cell | MSE per cell | ridge |",
              "|---|---|---|---|---|---|"]
     for name, fit in report.fits.items():
