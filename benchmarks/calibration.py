@@ -32,6 +32,9 @@ def main() -> None:
     parser.add_argument("--ship", action="store_true", help="write the coefficients into engramkv/coefficients/")
     parser.add_argument("--ran", action="append", default=[], help="a command that wrote the observations")
     parser.add_argument("--name", default="calibration")
+    parser.add_argument("--same-observations-as", default=None, metavar="NAME",
+                        help="the work dir's observations are those of results/calibration/NAME (another fit of the "
+                        "same answers): they are checked equal and not copied again")
     parser.add_argument("--features", nargs="+", default=None, metavar="FEATURE",
                         help="the informativeness features the fit uses (allocation.features; default: all)")
     args = parser.parse_args()
@@ -46,8 +49,11 @@ def main() -> None:
     out = RESULTS / "calibration"
     coefficients = out / f"{args.name}.coefficients.json"
     report = calibrate(lm, cfg, coefficients, args.work_dir, fit_only=args.fit_only, progress=print)
-    observations = out / f"{args.name}.observations.jsonl"
-    shutil.copyfile(args.work_dir / "observations.jsonl", observations)
+    observations = out / f"{args.same_observations_as or args.name}.observations.jsonl"
+    if args.same_observations_as is None:
+        shutil.copyfile(args.work_dir / "observations.jsonl", observations)
+    elif observations.read_bytes() != (args.work_dir / "observations.jsonl").read_bytes():
+        raise SystemExit(f"{args.work_dir / 'observations.jsonl'} differs from {observations}")
     rows = [json.loads(line) for line in observations.read_text().splitlines() if line.strip()]
     if args.ship:
         target = coefficients_path(report.model_id)
