@@ -27,6 +27,8 @@ Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --
                           (benchmarks/results/calibration/candidate.coefficients.json): judged on the grid
                           before it replaces the shipped one
   engram-best-candidate   engramkv under the best single fixed theta of that candidate calibration
+  engram-alloc-no-idoc    the candidate refitted without i_doc (candidate_no_idoc.coefficients.json), whose
+                          value moves with the way the question is asked more than any other feature's
   engram-chat / engram-alloc-chat / engram-best-chat / engram-alloc-candidate-chat / engram-best-candidate-chat
                           the same, the question asked as a user asks it (`Session.chat`, what
                           `engramkv ask` and the TUI do) instead of with the benchmark's prompt
@@ -443,12 +445,18 @@ ALLOCATION = EngineConfig().with_allocation_mode("model")
 CANDIDATE_COEFFICIENTS = Path(__file__).resolve().parents[1] / "results" / "calibration" / "candidate.coefficients.json"
 CANDIDATE = ALLOCATION.model_copy(update={"allocation": ALLOCATION.allocation.model_copy(
     update={"coefficients": str(CANDIDATE_COEFFICIENTS)})})
+NO_IDOC_COEFFICIENTS = CANDIDATE_COEFFICIENTS.with_name("candidate_no_idoc.coefficients.json")
+NO_IDOC = ALLOCATION.model_copy(update={"allocation": ALLOCATION.allocation.model_copy(
+    update={"coefficients": str(NO_IDOC_COEFFICIENTS)})})
 # Systems that differ from engram only at question time: one ingest per sample serves them all. "-chat": the
 # question asked as a user asks it (Session.chat); without: the benchmark's own prompt (Session.generate).
 QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best",
-                 "engram-alloc-candidate": "candidate", "engram-best-candidate": "best-candidate"}
-CONFIGS = {"fixed": FIXED, "best": FIXED, "model": ALLOCATION, "candidate": CANDIDATE, "best-candidate": FIXED}
-CANDIDATE_SYSTEMS = ("engram-alloc-candidate", "engram-best-candidate")  # judged on the grid before they ship
+                 "engram-alloc-candidate": "candidate", "engram-best-candidate": "best-candidate",
+                 "engram-alloc-no-idoc": "no-idoc"}
+CONFIGS = {"fixed": FIXED, "best": FIXED, "model": ALLOCATION, "candidate": CANDIDATE, "best-candidate": FIXED,
+           "no-idoc": NO_IDOC}
+# Judged on the grid before they ship.
+CANDIDATE_SYSTEMS = ("engram-alloc-candidate", "engram-best-candidate", "engram-alloc-no-idoc")
 
 
 def _question_time_system(kind: str, chat_path: bool) -> SystemFn:
@@ -483,6 +491,7 @@ def system_config(name: str) -> Any:
                  "model": "the allocation model's choice (shipped coefficients)",
                  "candidate": f"the allocation model's choice (the coefficients of {CANDIDATE_COEFFICIENTS.name})",
                  "best-candidate": f"the best fixed theta of {CANDIDATE_COEFFICIENTS.name}",
+                 "no-idoc": f"the allocation model's choice (the coefficients of {NO_IDOC_COEFFICIENTS.name})",
                  "fixed": "the fixed default"}[kind]
         return {"engine": CONFIGS[kind].model_dump(mode="json"), "asked_with": path, "theta": theta,
                 "ingest": "one in-RAM stream per sample, shared by the question-time systems (Session.fork)"}
