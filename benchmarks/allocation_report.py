@@ -134,39 +134,50 @@ def report(runs: list[dict[str, Any]], sources: dict[str, Any]) -> list[str]:
     lines += _against_fixed(by, lengths)
     lines += _against_rag(by, tasks, lengths)
     lines += _parity(by, tasks, lengths)
-    lines += _candidate(by, tasks, lengths)
+    for system in CANDIDATES:
+        lines += _candidate(by, tasks, lengths, system)
     lines += _against_fixed(by, lengths, "engram-alloc-candidate", "engram-best-candidate", "The candidate model")
     return lines
 
 
-def _candidate(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], lengths: list[int]) -> list[str]:
-    """A candidate model's runs (`engram-alloc-candidate`) against the shipped model's and RAG's on the same
-    samples, per task, length and prompt path (empty where no candidate ran)."""
-    if not any(s.startswith("engram-alloc-candidate") for s in by):
+CANDIDATES = {  # system: (its coefficients, the systems it is paired with besides RAG)
+    "engram-alloc-candidate": ("candidate.coefficients.json", ("engram-alloc",)),
+    "engram-alloc-no-idoc": ("candidate_no_idoc.coefficients.json", ("engram-alloc", "engram-alloc-candidate")),
+}
+
+
+def _candidate(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], lengths: list[int], system: str
+               ) -> list[str]:
+    """A candidate model's runs against the shipped model's (and another candidate's) and RAG's on the same
+    samples, per task, length and prompt path (empty where it never ran)."""
+    if not any(s.startswith(system) for s in by):
         return []
-    lines = ["", "## A candidate model against the shipped one", "",
-             "`engram-alloc-candidate`: the allocation model of `results/calibration/candidate.coefficients.json` "
-             "(not shipped). Paired on the samples both answered: the candidate's mean difference from the shipped "
-             "model and from RAG (95% bootstrap interval; better / worse, two-sided sign test), with each model's "
-             "mean answer context.", "",
-             "| path | task | length | candidate (n) | context | shipped | context | candidate against shipped | "
-             "rag | candidate against rag |", "|---|---|---|---|---|---|---|---|---|---|"]
+    coefficients, others = CANDIDATES[system]
+    versus = [*others, "rag"]
+    lines = ["", f"## `{system}` against the shipped model", "",
+             f"The allocation model of `results/calibration/{coefficients}` (not shipped). Paired on the samples "
+             "both answered: its mean difference from each other system (95% bootstrap interval; better / worse, "
+             "two-sided sign test), with each one's mean score and answer context.", "",
+             "| path | task | length | it (n) | context | "
+             + " | ".join(f"{o} | context | against {o}" for o in versus) + " |",
+             "|---|---|---|---|---|" + "---|---|---|" * len(versus)]
     for path in ("", "-chat"):
-        candidate, shipped, rag = (by.get(f"engram-alloc-candidate{path}", {}), by.get(f"engram-alloc{path}", {}),
-                                   by.get("rag", {}))
+        mine_by = by.get(f"{system}{path}", {})
         for task in tasks:
             for length in lengths:
-                keys = sorted(k for k in candidate if k[0] == task and k[1] == length)
+                keys = sorted(k for k in mine_by if k[0] == task and k[1] == length)
                 if not keys:
                     continue
-                mine = [candidate[k] for k in keys]
-                theirs = [shipped[k] for k in keys if k in shipped]
-                rags = [rag[k] for k in keys if k in rag]
+                mine = [mine_by[k] for k in keys]
+                cells = []
+                for other in versus:
+                    theirs_by = by.get(other if other == "rag" else f"{other}{path}", {})
+                    theirs = [theirs_by[k] for k in keys if k in theirs_by]
+                    score = f"{_mean([r['score'] for r in theirs]):.2f}" if theirs else "-"
+                    cells.append(f"{score} | {_context(theirs)} | {_paired(mine_by, theirs_by, keys)}")
                 lines.append(f"| {'chat' if path else 'prompt'} | {task} | {length:,} | "
                              f"{_mean([r['score'] for r in mine]):.2f} ({len(mine)}) | {_context(mine)} | "
-                             f"{_mean([r['score'] for r in theirs]):.2f} | {_context(theirs)} | "
-                             f"{_paired(candidate, shipped, keys)} | {_mean([r['score'] for r in rags]):.2f} | "
-                             f"{_paired(candidate, rag, keys)} |")
+                             + " | ".join(cells) + " |")
     return lines
 
 
