@@ -99,6 +99,7 @@ class Answerer:
                 for w in alloc.w if m <= len(DEMONSTRATIONS)]
         self.grid = model.candidates(grid) if model is not None else grid  # the thetas a choice is made among
         self.demonstration_ids = demonstration_ids(tokenizer)
+        self.demonstration_tokens = [len(ids) for ids in self.demonstration_ids]  # what `cost_of` prices
 
     @staticmethod
     def default_for(cfg: EngineConfig) -> Theta:
@@ -164,8 +165,7 @@ class Answerer:
 
     def cost_of(self, theta: Theta, fixed_tokens: int, local_tokens: int, piece: bool = False) -> int:
         """`nominal_cost` of an answer of this session."""
-        return nominal_cost(self.cfg, [len(ids) for ids in self.demonstration_ids], theta, fixed_tokens,
-                            local_tokens, piece)
+        return nominal_cost(self.cfg, self.demonstration_tokens, theta, fixed_tokens, local_tokens, piece)
 
     def memory_budget(self, theta: Theta, limit: int | None, fixed_tokens: int, local_tokens: int,
                       piece: bool = False) -> int:
