@@ -83,7 +83,8 @@ class Assessment:
     """What is known of a question before it is answered."""
 
     matched: QuestionMatch
-    features: torch.Tensor  # (F,) informativeness (`allocation.FEATURES`)
+    features: torch.Tensor  # (F,) informativeness (`allocation.FEATURES`); i_doc 0 where not measured
+    reported: tuple[float | None, ...] = ()  # the same, for reports: i_doc None where not measured
     window_piece: tuple[int, int] | None = None  # stream indices [a, b) of the window's best piece (local text)
     window_centre: int | None = None  # the stream index where the question matches that piece best
 
@@ -120,7 +121,7 @@ class Answerer:
     # ------------------------------------------------------------------ before the answer
     def assess(self, prompt_ids: list[int], span: tuple[int, int], with_i_doc: bool) -> Assessment:
         """Probe the prompt, match its question, measure the features (the stream does not change); i_doc
-        (two more probes) only `with_i_doc` and `allocation.i_doc`, else 0."""
+        (two more probes) only `with_i_doc` and `allocation.i_doc`, else 0 (reported as None)."""
         layers, recall = self.state.summary_layers, self.cfg.recall
         ids = torch.tensor(prompt_ids, dtype=torch.long)
         probe = self.state.probe(ids)
@@ -129,12 +130,15 @@ class Answerer:
         matched = question.assess(self.memory, keys, layers, probe.recalled, self.state.resident_keys(layers),
                                   recall, k)
         margin = matched.window - matched.hits[0][1] if matched.hits else 0.0
-        i_doc = self._i_doc(ids, matched) if with_i_doc and self.cfg.allocation.i_doc else 0.0
+        measured = with_i_doc and self.cfg.allocation.i_doc
+        i_doc = self._i_doc(ids, matched) if measured else 0.0
         several = allocation.asks_for_several(self.tokenizer.decode(prompt_ids[span[0] : span[1]]))
         features = allocation.informativeness(torch.tensor(matched.scores), margin, i_doc, several)
         piece = self._stream_piece(matched.window_piece)
         centre = None if piece is None or matched.window_centre is None else self._stream_index(matched.window_centre)
-        return Assessment(matched, features, piece, centre)
+        reported = tuple(None if name == "i_doc" and not measured else value
+                         for name, value in zip(allocation.FEATURES, features.tolist()))
+        return Assessment(matched, features, reported, piece, centre)
 
     def _stream_piece(self, piece: tuple[int, int] | None) -> tuple[int, int] | None:
         """A piece of the resident keys (sinks, then local tokens) as stream indices of its local tokens
@@ -313,7 +317,7 @@ class Answerer:
                                                recall)
             plan = RecallPlan(events, per_round * round_, plan.memory_at, tuple(hits), window_from,
                               event_tokens=parts)
-        return dataclasses.replace(plan, theta=theta, features=tuple(assessment.features.tolist()))
+        return dataclasses.replace(plan, theta=theta, features=assessment.reported)
 
     def window_piece_plan(self, assessment: Assessment, theta: Theta, window_end: int, budget: int) -> RecallPlan:
         """The plan of a chosen theta where the window matches the question better than memory: no memory,
@@ -328,8 +332,7 @@ class Answerer:
         first = self.state.stream.local_start
         start, end = max(start, first), min(end, window_end)
         if start >= end or budget == 0:  # the piece is in the turn, which every answer reads: none of the window
-            return RecallPlan((), budget, window_from=window_end, theta=theta,
-                              features=tuple(assessment.features.tolist()))
+            return RecallPlan((), budget, window_from=window_end, theta=theta, features=assessment.reported)
         if end - start > budget:
             centre = (start + end) // 2 if assessment.window_centre is None else assessment.window_centre
             start = min(max(start, centre - budget // 2), end - budget)
@@ -341,8 +344,7 @@ class Answerer:
         if hi > window_end:
             lo, hi = max(first, lo - (hi - window_end)), window_end
         gap = (hi, window_end) if hi < window_end else None
-        return RecallPlan((), budget, window_from=lo, window_gap=gap, theta=theta,
-                          features=tuple(assessment.features.tolist()))
+        return RecallPlan((), budget, window_from=lo, window_gap=gap, theta=theta, features=assessment.reported)
 
     def _draft_keys(self, plan: RecallPlan, prompt_ids: list[int], span: tuple[int, int]) -> torch.Tensor | None:
         """A greedy draft of the answer under `plan`, made by probing (the stream does not change), and the
@@ -383,8 +385,7 @@ def allocate_turns(answerer: Answerer, reader: Reader, messages: Sequence[str], 
         return answerer.cost_of(theta, fixed, local)
 
     if answerer.model is None:
-        default = answerer.default_theta()
-        thetas: list[Theta | None] = [default] * len(turns)
+        thetas: list[Theta | None] = [answerer.default_theta()] * len(turns)
     else:
         assessed = [answerer.assess(t.prompt_ids, t.question_span, with_i_doc=answerer.model_uses_i_doc())
                     for t in turns]

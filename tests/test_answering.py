@@ -128,7 +128,7 @@ def test_the_model_mode_chooses_theta_within_the_limit(tmp_path):
 
 def test_a_model_fitted_without_i_doc_spends_no_probes_on_it(tmp_path, monkeypatch):
     without = [name for name in FEATURES if name != "i_doc"]
-    probes = []
+    probes, reported = [], []
     for features in (FEATURES, without):
         cfg = CFG.model_copy(update={"allocation": CFG.allocation.model_copy(
             update={"mode": "model", "coefficients": str(_coefficients(tmp_path, features=features))})})
@@ -138,8 +138,10 @@ def test_a_model_fitted_without_i_doc_spends_no_probes_on_it(tmp_path, monkeypat
         monkeypatch.setattr(session._answerer, "_i_doc", lambda *args: calls.append(1) or measure(*args))
         session.chat("1 2 3", max_new_tokens=2)
         probes.append(len(calls))
+        reported.append(dict(zip(FEATURES, session.last_plan.features))["i_doc"])
         assert session.last_plan.theta in session._answerer.grid
     assert probes == [1, 0]
+    assert isinstance(reported[0], float) and reported[1] is None  # not measured is not reported as 0
 
 
 def test_by_default_the_model_reads_no_more_than_the_best_fixed_theta_would(tmp_path):
