@@ -84,9 +84,9 @@ class Assessment:
 
     matched: QuestionMatch
     features: torch.Tensor  # (F,) informativeness (`allocation.FEATURES`); i_doc 0 where not measured
-    reported: tuple[float | None, ...] = ()  # the same, for reports: i_doc None where not measured
     window_piece: tuple[int, int] | None = None  # stream indices [a, b) of the window's best piece (local text)
     window_centre: int | None = None  # the stream index where the question matches that piece best
+    reported: dict[str, float | None] = dataclasses.field(default_factory=dict)  # by name; None: not measured
 
 
 class Answerer:
@@ -136,9 +136,9 @@ class Answerer:
         features = allocation.informativeness(torch.tensor(matched.scores), margin, i_doc, several)
         piece = self._stream_piece(matched.window_piece)
         centre = None if piece is None or matched.window_centre is None else self._stream_index(matched.window_centre)
-        reported = tuple(None if name == "i_doc" and not measured else value
-                         for name, value in zip(allocation.FEATURES, features.tolist()))
-        return Assessment(matched, features, reported, piece, centre)
+        reported = {name: None if name == "i_doc" and not measured else value
+                    for name, value in zip(allocation.FEATURES, features.tolist())}
+        return Assessment(matched, features, piece, centre, reported)
 
     def _stream_piece(self, piece: tuple[int, int] | None) -> tuple[int, int] | None:
         """A piece of the resident keys (sinks, then local tokens) as stream indices of its local tokens

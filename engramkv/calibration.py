@@ -35,6 +35,7 @@ from engramkv.errors import InputError
 from engramkv.lm import EpisodicLM
 from engramkv.retrieval import allocation
 from engramkv.retrieval.allocation import AllocationModel, Theta
+from engramkv.retrieval.question import RecallPlan
 from engramkv.tasks import CALIBRATION_SEEDS, TASKS, Sample
 
 
@@ -139,7 +140,7 @@ def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
                 reply = session.chat(sample.chat_question, max_new_tokens=room, theta=theta)
                 plan = session.last_plan
             row = {"sample": _key(sample), "task": sample.task, "length": sample.length, "seed": sample.seed,
-                   "theta": asdict(theta), "features": list(plan.features), "reply": reply,
+                   "theta": asdict(theta), "features": _fitted_features(plan), "reply": reply,
                    "score": sample.score(reply), "context_tokens": plan.context_tokens}
             with observations.open("a") as out:
                 out.write(json.dumps(row) + "\n")
@@ -175,7 +176,7 @@ def refeature(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: P
             for piece in sample.context:
                 session.ingest(piece)
             session.chat(sample.chat_question, max_new_tokens=1, theta=default)
-            features = list(session.last_plan.features)
+            features = _fitted_features(session.last_plan)
         lm.close()
         shutil.rmtree(store, ignore_errors=True)
         old = next(row["features"] for row in rows if row["sample"] == key)
@@ -183,6 +184,12 @@ def refeature(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: P
         progress(f"{key} ({done}/{len(stale)}): features {[round(f, 3) for f in old]} -> "
                  f"{[round(f, 3) for f in features]}")
     return len(stale)
+
+
+def _fitted_features(plan: RecallPlan) -> list[float]:
+    """A plan's features in `allocation.FEATURES` order as the fit reads them: one not measured (i_doc with
+    `allocation.i_doc` off) as 0, the value a choice then reads."""
+    return [0.0 if value is None else value for value in plan.features.values()]
 
 
 def _set_features(observations: Path, key: str, features: list[float]) -> None:

@@ -138,7 +138,7 @@ def test_a_model_fitted_without_i_doc_spends_no_probes_on_it(tmp_path, monkeypat
         monkeypatch.setattr(session._answerer, "_i_doc", lambda *args: calls.append(1) or measure(*args))
         session.chat("1 2 3", max_new_tokens=2)
         probes.append(len(calls))
-        reported.append(dict(zip(FEATURES, session.last_plan.features))["i_doc"])
+        reported.append(session.last_plan.features["i_doc"])
         assert session.last_plan.theta in session._answerer.grid
     assert probes == [1, 0]
     assert isinstance(reported[0], float) and reported[1] is None  # not measured is not reported as 0

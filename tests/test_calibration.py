@@ -44,6 +44,7 @@ def test_every_sample_is_answered_under_the_design_once_and_a_rerun_resumes(tmp_
     assert {tuple(row["theta"].values()) for row in rows} == {tuple(t.__dict__.values()) for t in design(
         CFG, Theta(2, 24, 1, 0, 64))}
     assert all(len(row["features"]) == len(allocation.FEATURES) and 0 <= row["score"] <= 1 for row in rows)
+    assert all(isinstance(value, float) for row in rows for value in row["features"])  # values, not names
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # each sample's store is gone once answered
     # the same theta twice from the read-only store: the same reply (no answer sees another)
     first = {(r["sample"], json.dumps(r["theta"])): r["reply"] for r in rows}

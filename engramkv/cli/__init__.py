@@ -123,8 +123,6 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from engramkv.retrieval.allocation import FEATURES
-
     lm = _model(args)
     config = lm.config
     if args.allocation is not None or args.coefficients is not None:
@@ -139,7 +137,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     read = None if plan is None else {
         "budget_tokens": plan.budget, "events": None if plan.events is None else list(plan.events),
         "theta": None if plan.theta is None else dataclasses.asdict(plan.theta),
-        "features": dict(zip(FEATURES, plan.features)), "context_tokens": plan.context_tokens,
+        "features": plan.features, "context_tokens": plan.context_tokens,
         "window_from": plan.window_from, "window_gap": None if plan.window_gap is None else list(plan.window_gap)}
     if args.json:
         print(json.dumps({"answer": answer, "recalled": [r.model_dump(mode="json") for r in recalled], "plan": read}))
@@ -154,7 +152,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
                 print(f"  theta: k={t.k} events, s={t.s} tokens each, n={t.n} rounds, m={t.m} demonstrations, "
                       f"w={t.w} window tokens")
                 print("  features: " + ", ".join(f"{name} {'not measured' if value is None else f'{value:.3g}'}"
-                                                 for name, value in zip(FEATURES, plan.features)))
+                                                 for name, value in plan.features.items()))
             if plan.window_from is not None:  # part of the local window only
                 upto = "the question" if plan.window_gap is None else f"{plan.window_gap[0]}, then the question"
                 print(f"  window: stream tokens from {plan.window_from} to {upto}")

@@ -69,7 +69,7 @@ class RecallPlan:
     window_gap: tuple[int, int] | None = None  # stream indices [a, b) of local tokens also skipped
     event_tokens: tuple[tuple[int, int], ...] | None = None  # per event of `events`: [first, end) offsets read
     theta: Theta | None = None
-    features: tuple[float | None, ...] = ()  # `allocation.FEATURES`; None: not measured (i_doc)
+    features: dict[str, float | None] = field(default_factory=dict)  # by name; None: not measured (i_doc)
     context_tokens: int = 0  # effective context of the answer: sinks, attended window, turn, memory
 
 
