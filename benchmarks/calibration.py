@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def main() -> None:
                         "same answers): they are checked equal and not copied again")
     parser.add_argument("--features", nargs="+", default=None, metavar="FEATURE",
                         help="the informativeness features the fit uses (allocation.features; default: all)")
+    parser.add_argument("--tolerances", nargs="+", type=float, default=[], metavar="T",
+                        help="also refit under each allocation.tolerance and report the model's out-of-fold choice")
     args = parser.parse_args()
 
     cfg = EngineConfig()
@@ -111,7 +114,10 @@ def main() -> None:
             f"(p {sign_test(better, worse):.3f})")
         lines.append(f"| {name} | {mean:.3f} ({len(per_sample)}; {lo:.2f}-{hi:.2f}) | "
                      f"{report.held_out_context[name]:,.0f} | {versus} |")
-    lines += ["", f"Default theta {report.default_theta}; best fixed theta {report.best_fixed_theta}.", "",
+    lines += ["", f"Default theta {report.default_theta}; best fixed theta {report.best_fixed_theta}.", ""]
+    if args.tolerances:
+        lines += _tolerances(cfg, args.work_dir, args.tolerances)
+    lines += [
               "## Score per theta (all samples)", "", "| k | s | n | m | w | score (n; 95% interval) |",
               "|---|---|---|---|---|---|"]
     for theta, scores in sorted(by_theta.items(), key=lambda kv: -sum(kv[1]) / len(kv[1])):
@@ -128,6 +134,24 @@ def main() -> None:
     payload = {"report": report.model_dump(mode="json"), "ran": args.ran,
                "observations": observations.name, "coefficients": coefficients.name}
     write_results(out, args.name, payload, "\n".join(lines) + "\n", cfg)
+
+
+def _tolerances(cfg: EngineConfig, work_dir: Path, tolerances: list[float]) -> list[str]:
+    """The model's out-of-fold choice refitted under each `allocation.tolerance` (the fit is the same; the
+    choice takes the cheapest theta predicted within the tolerance of the best)."""
+    lines = ["## The model's choice per tolerance, out of fold", "",
+             f"`model` as above, refitted with `allocation.tolerance` each of {tolerances} "
+             f"(the coefficients shipped use {cfg.allocation.tolerance:g}).", "",
+             "| tolerance | model: mean score (n; 95% interval) | mean context tokens |", "|---|---|---|"]
+    with tempfile.TemporaryDirectory() as scratch:
+        for tolerance in tolerances:
+            tolerant = cfg.model_copy(update={"allocation": cfg.allocation.model_copy(update={"tolerance": tolerance})})
+            report = calibrate(None, tolerant, Path(scratch) / "coefficients.json", work_dir, fit_only=True)
+            mean, n = report.held_out_scores["model"], len(report.held_out_per_sample["model"])
+            lo, hi = wilson(mean, n)
+            lines.append(f"| {tolerance:g} | {mean:.3f} ({n}; {lo:.2f}-{hi:.2f}) | "
+                         f"{report.held_out_context['model']:,.1f} |")
+    return lines + [""]
 
 
 def _mean(values: list[float]) -> float:

@@ -205,10 +205,10 @@ class AllocationConfig(_Strict):
     tolerance: float = Field(
         default=0.1, ge=0, le=1,
         description="The model answers with the cheapest theta predicted to score within this much of the best "
-        "within the limit (0: the best predicted, whatever it costs). On the embedded model's calibration "
-        "(64 samples, out of fold) 0.05-0.1 score 0.45-0.47 at 274-283 context tokens, 0-0.02 0.43-0.44 at "
-        "340-570: the fit cannot tell apart gains that small. Tuned on those samples, so the calibration's "
-        "figure for the model is optimistic; the evaluation grid (other seeds) is the check.",
+        "within the limit (0: the best predicted). On the embedded model's calibration (64 samples, out of "
+        "fold, within the best fixed theta's cost) 0.08-0.1 score 0.453 at 278-279 context tokens, 0.05 0.441, "
+        "0-0.02 0.41, 0.12-0.2 0.438: the fit cannot tell apart gains that small. Tuned on those samples, so "
+        "the model's calibration figure is optimistic; the evaluation grid (other seeds) is the check.",
     )
     ridge: list[float] = Field(
         default=[0.1, 1.0, 10.0, 100.0, 1000.0], min_length=1,
