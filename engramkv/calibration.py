@@ -189,7 +189,8 @@ def refeature(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: P
 def _fitted_features(plan: RecallPlan) -> list[float]:
     """A plan's features in `allocation.FEATURES` order as the fit reads them: one not measured (i_doc with
     `allocation.i_doc` off) as 0, the value a choice then reads."""
-    return [0.0 if value is None else value for value in plan.features.values()]
+    values = [plan.features[name] for name in allocation.FEATURES]
+    return [0.0 if value is None else value for value in values]
 
 
 def _set_features(observations: Path, key: str, features: list[float]) -> None:
