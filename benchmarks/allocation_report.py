@@ -16,7 +16,7 @@ e.g. `--name allocation_a` and `--name allocation_b`); this merges their runs an
 
 It reads result files only (no model): run it after each resume.
 
-    python benchmarks/allocation_report.py                       # allocation_a + allocation_b (+ c, d)
+    python benchmarks/allocation_report.py                       # allocation_a + allocation_b
     python benchmarks/allocation_report.py --names allocation_a  # one of them
 """
 
@@ -40,12 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--names", nargs="+", default=None,
                         help="evaluation result files (results/evaluate/NAME.json) to merge (default: allocation_a and "
-                        "allocation_b, and allocation_c and allocation_d where they exist: a candidate model's runs)")
+                        "allocation_b)")
     parser.add_argument("--dir", type=Path, default=RESULTS / "evaluate")
     parser.add_argument("--name", default="allocation", help="the report's file name (default allocation)")
     args = parser.parse_args(argv)
-    names = args.names or ["allocation_a", "allocation_b", *(n for n in ("allocation_c", "allocation_d")
-                                                              if (args.dir / f"{n}.json").exists())]
+    names = args.names or ["allocation_a", "allocation_b"]
     runs, sources = load(args.dir, names)
     if not runs:
         raise SystemExit(f"no runs in {', '.join(names)}")
@@ -134,75 +133,28 @@ def report(runs: list[dict[str, Any]], sources: dict[str, Any]) -> list[str]:
     lines += _against_fixed(by, lengths)
     lines += _against_rag(by, tasks, lengths)
     lines += _parity(by, tasks, lengths)
-    for system in CANDIDATES:
-        lines += _candidate(by, tasks, lengths, system)
-    lines += _against_fixed(by, lengths, "engram-alloc-candidate", "engram-best-candidate", "The candidate model")
     return lines
 
 
-CANDIDATES = {  # system: (its coefficients, the systems it is paired with besides RAG)
-    "engram-alloc-candidate": ("candidate.coefficients.json", ("engram-alloc",)),
-    "engram-alloc-no-idoc": ("candidate_no_idoc.coefficients.json", ("engram-alloc", "engram-alloc-candidate")),
-}
-
-
-def _candidate(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], lengths: list[int], system: str
-               ) -> list[str]:
-    """A candidate model's runs against the shipped model's (and another candidate's) and RAG's on the same
-    samples, per task, length and prompt path (empty where it never ran)."""
-    if not any(s.startswith(system) for s in by):
-        return []
-    coefficients, others = CANDIDATES[system]
-    versus = [*others, "rag"]
-    lines = ["", f"## `{system}` against the shipped model", "",
-             f"The allocation model of `results/calibration/{coefficients}` (not shipped). Paired on the samples "
-             "both answered: its mean difference from each other system (95% bootstrap interval; better / worse, "
-             "two-sided sign test), with each one's mean score and answer context.", "",
-             "| path | task | length | it (n) | context | "
-             + " | ".join(f"{o} | context | against {o}" for o in versus) + " |",
-             "|---|---|---|---|---|" + "---|---|---|" * len(versus)]
-    for path in ("", "-chat"):
-        mine_by = by.get(f"{system}{path}", {})
-        for task in tasks:
-            for length in lengths:
-                keys = sorted(k for k in mine_by if k[0] == task and k[1] == length)
-                if not keys:
-                    continue
-                mine = [mine_by[k] for k in keys]
-                cells = []
-                for other in versus:
-                    theirs_by = by.get(other if other == "rag" else f"{other}{path}", {})
-                    theirs = [theirs_by[k] for k in keys if k in theirs_by]
-                    score = f"{_mean([r['score'] for r in theirs]):.2f}" if theirs else "-"
-                    cells.append(f"{score} | {_context(theirs)} | {_paired(mine_by, theirs_by, keys)}")
-                lines.append(f"| {'chat' if path else 'prompt'} | {task} | {length:,} | "
-                             f"{_mean([r['score'] for r in mine]):.2f} ({len(mine)}) | {_context(mine)} | "
-                             + " | ".join(cells) + " |")
-    return lines
-
-
-def _against_fixed(by: dict[str, dict[Key, dict[str, Any]]], lengths: list[int], model_system: str = "engram-alloc",
-                   best_system: str = "engram-best", title: str = "The allocation model") -> list[str]:
-    """`model_system` against `best_system` (a best fixed theta) and the fixed default, per path and length."""
-    if not any(s.startswith(model_system) for s in by):
-        return []
-    lines = ["", f"## {title} against fixed thetas (all tasks pooled)", "",
+def _against_fixed(by: dict[str, dict[Key, dict[str, Any]]], lengths: list[int]) -> list[str]:
+    """engram-alloc against engram-best (the best fixed theta) and the fixed default, per path and length."""
+    lines = ["", "## The allocation model against fixed thetas (all tasks pooled)", "",
              "Paired on the samples both systems answered: the mean difference (95% bootstrap interval), and "
              "the samples answered better / worse (two-sided sign test). Target: the model >= the best fixed "
              "theta at no more mean context.", "",
              "| path | length | system | mean score (n) | mean context | model against it |", "|---|---|---|---|---|---|"]
     for path in ("", "-chat"):
-        model = by.get(f"{model_system}{path}", {})
+        model = by.get(f"engram-alloc{path}", {})
         for length in lengths:
             keys = sorted(k for k in model if k[1] == length)
             if not keys:
                 continue
-            for system in (f"{model_system}{path}", f"{best_system}{path}", f"engram{path}"):
+            for system in (f"engram-alloc{path}", f"engram-best{path}", f"engram{path}"):
                 # Over the samples the model answered, so that each row's mean is of the same samples.
                 runs = [r for k, r in by.get(system, {}).items() if k in model and k[1] == length]
                 if not runs:
                     continue
-                versus = "-" if system.startswith(model_system) else _paired(model, by[system], keys)
+                versus = "-" if system.startswith("engram-alloc") else _paired(model, by[system], keys)
                 lines.append(f"| {'chat' if path else 'prompt'} | {length:,} | {system} | "
                              f"{_mean([r['score'] for r in runs]):.3f} ({len(runs)}) | {_context(runs)} | {versus} |")
     return lines

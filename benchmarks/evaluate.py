@@ -39,7 +39,7 @@ QUICK_LENGTH = 2048
 QUICK_TASKS = ["passkey", "niah-multikey", "conversation"]
 OUT = RESULTS / "evaluate"
 # What older results files record about their own provenance, kept when a grid is resumed or merged.
-FILE_NOTES = ("commit_of_file", "commit_note")
+FILE_NOTES = ("commit_of_file", "commit_note", "relabelled")  # relabelled: benchmarks/relabel.py
 
 
 def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
@@ -204,6 +204,8 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
     if "commit_of_file" in notes:  # a grid begun before runs recorded their commit
         lines += [f"Runs without a `commit` in {args.name}.json ran before commits were recorded; the file was "
                         f"added in commit {notes['commit_of_file'][:7]}.", ""]
+    for note in notes.get("relabelled", []):  # runs moved under another system name (benchmarks/relabel.py)
+        lines += [f"Relabelled: {note}; each such run names its old system in `relabelled_from`.", ""]
     for task in tasks:
         lines += [f"## {task}", "", "| system | " + " | ".join(length_label(n) for n in lengths) + " |",
                   "|---|" + "---|" * len(lengths)]

@@ -47,33 +47,6 @@ def test_the_report_merges_files_and_checks_the_targets(tmp_path):
     assert set(payload["sources"]) == {"a", "b"} and payload["commit"]
 
 
-def test_a_candidate_model_is_paired_with_the_shipped_one_and_rag_and_read_by_default(tmp_path):
-    shipped = [_run("niah-multivalue", "engram-alloc", s, 0.0, length=8192) for s in range(20)]
-    shipped += [_run("niah-multivalue", "rag", s, 0.25, length=8192) for s in range(20)]
-    candidate = [_run("niah-multivalue", "engram-alloc-candidate", s, 0.5 if s < 10 else 0.0, length=8192,
-                      context=290) for s in range(20)]
-    candidate += [_run("niah-multivalue", "engram-best-candidate", s, 1.0 if s < 5 else 0.0, length=8192,
-                       context=280) for s in range(20)]
-    candidate += [_run("niah-multivalue", "engram-alloc-no-idoc", s, 0.5, length=8192, context=250) for s in range(20)]
-    _write(tmp_path, "allocation_a", shipped)
-    _write(tmp_path, "allocation_b", [])
-    _write(tmp_path, "allocation_c", candidate)  # no allocation_d: the defaults skip it
-    allocation_report.main(["--dir", str(tmp_path), "--name", "out"])
-    md = (tmp_path / "out.md").read_text()
-    row = next(line for line in md.splitlines() if line.startswith("| prompt | niah-multivalue | 8,192 |"))
-    assert "| 0.25 (20) | 290 | 0.00 | 300 | +0.250 (" in row and "; n 20); 10 / 0 (p " in row
-    assert row.endswith("; n 20); 10 / 10 (p 1.000) |")  # against RAG's 0.25 everywhere
-    first = md.split("## `engram-alloc-candidate` against the shipped model")[1].split("\n## ")[0]
-    assert "| chat |" not in first  # no candidate chat runs
-    second = md.split("## `engram-alloc-no-idoc` against the shipped model")[1].split("\n## ")[0]
-    row = next(line for line in second.splitlines() if line.startswith("| prompt | niah-multivalue | 8,192 |"))
-    assert "| 0.50 (20) | 250 | 0.00 | 300 | +0.500 (" in row  # against the shipped model
-    assert "| 0.25 | 290 | +0.250 (" in row  # against the other candidate, then RAG
-    against_best = md.split("## The candidate model against fixed thetas")[1]  # its own best fixed theta
-    assert "| prompt | 8,192 | engram-best-candidate | 0.250 (20) | 280 | +0.000 (" in against_best
-    assert "; n 20); 5 / 5 (p 1.000) |" in against_best
-
-
 def test_a_missing_or_foreign_file_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         allocation_report.main(["--dir", str(tmp_path), "--names", "nope"])

@@ -23,13 +23,7 @@ Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --
   engram-alloc            engramkv, the inference parameters theta chosen per question by the allocation
                           model (the coefficients shipped in engramkv/coefficients/)
   engram-best             engramkv under the best single fixed theta of the shipped calibration
-  engram-alloc-candidate  the allocation model of a candidate calibration not shipped
-                          (benchmarks/results/calibration/candidate.coefficients.json): judged on the grid
-                          before it replaces the shipped one
-  engram-best-candidate   engramkv under the best single fixed theta of that candidate calibration
-  engram-alloc-no-idoc    the candidate refitted without i_doc (candidate_no_idoc.coefficients.json), whose
-                          value moves with the way the question is asked more than any other feature's
-  engram-chat / engram-alloc-chat / engram-best-chat / engram-alloc-candidate-chat / engram-best-candidate-chat
+  engram-chat / engram-alloc-chat / engram-best-chat
                           the same, the question asked as a user asks it (`Session.chat`, what
                           `engramkv ask` and the TUI do) instead of with the benchmark's prompt
 
@@ -57,7 +51,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import faiss
@@ -442,21 +435,10 @@ def shipped_calibration(model_id: str) -> dict[str, Any]:
 
 
 ALLOCATION = EngineConfig().with_allocation_mode("model")
-CANDIDATE_COEFFICIENTS = Path(__file__).resolve().parents[1] / "results" / "calibration" / "candidate.coefficients.json"
-CANDIDATE = ALLOCATION.model_copy(update={"allocation": ALLOCATION.allocation.model_copy(
-    update={"coefficients": str(CANDIDATE_COEFFICIENTS)})})
-NO_IDOC_COEFFICIENTS = CANDIDATE_COEFFICIENTS.with_name("candidate_no_idoc.coefficients.json")
-NO_IDOC = ALLOCATION.model_copy(update={"allocation": ALLOCATION.allocation.model_copy(
-    update={"coefficients": str(NO_IDOC_COEFFICIENTS)})})
 # Systems that differ from engram only at question time: one ingest per sample serves them all. "-chat": the
 # question asked as a user asks it (Session.chat); without: the benchmark's own prompt (Session.generate).
-QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best",
-                 "engram-alloc-candidate": "candidate", "engram-best-candidate": "best-candidate",
-                 "engram-alloc-no-idoc": "no-idoc"}
-CONFIGS = {"fixed": FIXED, "best": FIXED, "model": ALLOCATION, "candidate": CANDIDATE, "best-candidate": FIXED,
-           "no-idoc": NO_IDOC}
-# Judged on the grid before they ship.
-CANDIDATE_SYSTEMS = ("engram-alloc-candidate", "engram-best-candidate", "engram-alloc-no-idoc")
+QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best"}
+CONFIGS = {"fixed": FIXED, "best": FIXED, "model": ALLOCATION}
 
 
 def _question_time_system(kind: str, chat_path: bool) -> SystemFn:
@@ -464,8 +446,6 @@ def _question_time_system(kind: str, chat_path: bool) -> SystemFn:
         theta = None
         if kind == "best":
             theta = Theta(**shipped_calibration(models.model_id)["best_fixed_theta"])
-        elif kind == "best-candidate":
-            theta = Theta(**json.loads(CANDIDATE_COEFFICIENTS.read_text())["best_fixed_theta"])
         return _question_time_run(models, sample, CONFIGS[kind], chat_path, theta)
     return answer
 
@@ -474,12 +454,11 @@ for _name, _kind in QUESTION_TIME.items():
     SYSTEMS[_name] = _question_time_system(_kind, chat_path=False)
     SYSTEMS[f"{_name}-chat"] = _question_time_system(_kind, chat_path=True)
 OPTIONAL_SYSTEMS = ("full-around-fact", "engram-before-question", "engram-fixed", *(s for s in VARIANTS if s.startswith("engram-store-")),
-                    *(s for s in SYSTEMS if s.endswith("-chat") or s in ("engram-alloc", "engram-best",
-                                                                          *CANDIDATE_SYSTEMS)))
+                    *(s for s in SYSTEMS if s.endswith("-chat") or s in ("engram-alloc", "engram-best")))
 DEFAULT_SYSTEMS = [name for name in SYSTEMS if name not in OPTIONAL_SYSTEMS]
 # The allocation grid of issue 17: the engram systems on both prompt paths against RAG and full attention.
-ALLOCATION_SYSTEMS = ["full", "full-around-fact", "rag", *(f"{n}{path}" for n in QUESTION_TIME
-                                                          if n not in CANDIDATE_SYSTEMS for path in ("", "-chat"))]
+ALLOCATION_SYSTEMS = ["full", "full-around-fact", "rag",
+                      *(f"{n}{path}" for n in QUESTION_TIME for path in ("", "-chat"))]
 
 
 def system_config(name: str) -> Any:
@@ -489,9 +468,6 @@ def system_config(name: str) -> Any:
         path = "Session.chat(question)" if name.endswith("-chat") else "Session.generate(prompt, question=)"
         theta = {"best": "the best fixed theta of the shipped calibration",
                  "model": "the allocation model's choice (shipped coefficients)",
-                 "candidate": f"the allocation model's choice (the coefficients of {CANDIDATE_COEFFICIENTS.name})",
-                 "best-candidate": f"the best fixed theta of {CANDIDATE_COEFFICIENTS.name}",
-                 "no-idoc": f"the allocation model's choice (the coefficients of {NO_IDOC_COEFFICIENTS.name})",
                  "fixed": "the fixed default"}[kind]
         return {"engine": CONFIGS[kind].model_dump(mode="json"), "asked_with": path, "theta": theta,
                 "ingest": "one in-RAM stream per sample, shared by the question-time systems (Session.fork)"}
