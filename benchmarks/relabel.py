@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     model_id = payload["model"]
     runs, commands, notes = previous_runs(args.out / f"{args.into}.json", model_id, must_exist=True)
     kept = [r for r in runs if not (r["task"] in tasks and r["system"] in dropped)]
-    moved = 0
+    incoming: dict[tuple, dict] = {}  # a run in two sources (a cell run again elsewhere): the later source's
     remaining: dict[Path, list[dict]] = {}  # a source's runs that stay in it
     for name in args.source:
         path = args.out / f"{name}.json"
@@ -51,17 +51,18 @@ def main(argv: list[str] | None = None) -> None:
         stays = []
         for run in source:
             if run["task"] in tasks and run["system"] in renames:
-                kept.append({**run, "system": renames[run["system"]], "relabelled_from": run["system"],
-                             "relabelled_source": name})
-                moved += 1
+                new = {**run, "system": renames[run["system"]], "relabelled_from": run["system"],
+                       "relabelled_source": name}
+                incoming[new["task"], new["system"], new["length"], new["seed"]] = new
             else:
                 stays.append(run)
-        commands += [f"{c} (into {name}; relabelled)" for c in source_commands if any(
+        commands += [f"{c} (runs relabelled from {name})" for c in source_commands if any(
             old in c.split() for old in renames)]
         remaining[path] = stays
-    keys = [(r["task"], r["system"], r["length"], r["seed"]) for r in kept]
-    if len(keys) != len(set(keys)):
+    if any((r["task"], r["system"], r["length"], r["seed"]) in incoming for r in kept):
         raise SystemExit("a renamed run would stand beside a run of the same name, task, length and seed: --drop it")
+    moved = len(incoming)
+    kept += incoming.values()
     if args.remove_moved:  # only once the move is known to be possible
         for path, stays in remaining.items():
             path.write_text(json.dumps({**json.loads(path.read_text()), "runs": stays}, indent=2) + "\n")

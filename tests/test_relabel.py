@@ -45,7 +45,7 @@ def test_runs_move_renamed_with_their_chat_twins_and_the_old_ones_go(tmp_path):
     assert runs["kv", "engram-alloc", 0]["score"] == 0.0 and runs["passkey", "rag", 1]["score"] == 1.0
     assert len(payload["runs"]) == 6  # 3 kept, 3 moved
     assert payload["commands"][1] == "python benchmarks/evaluate.py --systems engram-alloc-no-idoc engram-x " \
-                                     "(into src; relabelled)"
+                                     "(runs relabelled from src)"
     assert payload["commands"][-1].startswith("python benchmarks/relabel.py --into into")
     assert payload["relabelled"] == ["3 runs of passkey from src: engram-alloc-no-idoc -> engram-alloc, "
                                      "engram-alloc-no-idoc-chat -> engram-alloc-chat; runs of engram-alloc, "
@@ -65,3 +65,13 @@ def test_a_rename_onto_runs_not_dropped_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="OLD=NEW"):
         relabel.main(["--into", "into", "--tasks", "passkey", "--rename", "engram-alloc", "--because", "x",
                       "--out", str(tmp_path)])
+
+
+def test_a_run_in_two_sources_is_taken_once_from_the_later(tmp_path):
+    _write(tmp_path, "into", [], [])
+    _write(tmp_path, "c", [_run("passkey", "engram-best-candidate", 0, 0.0)], [])
+    _write(tmp_path, "d", [_run("passkey", "engram-best-candidate", 0, 1.0)], [])
+    relabel.main(["--into", "into", "--source", "c", "d", "--tasks", "passkey", "--rename",
+                  "engram-best-candidate=engram-best", "--because", "x", "--out", str(tmp_path)])
+    (run,) = json.loads((tmp_path / "into.json").read_text())["runs"]
+    assert run["score"] == 1.0 and run["relabelled_source"] == "d"
