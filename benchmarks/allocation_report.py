@@ -141,21 +141,22 @@ def _against_fixed(by: dict[str, dict[Key, dict[str, Any]]], lengths: list[int])
     lines = ["", "## The allocation model against fixed thetas (all tasks pooled)", "",
              "Paired on the samples both systems answered: the mean difference (95% bootstrap interval), and "
              "the samples answered better / worse (two-sided sign test). Target: the model >= the best fixed "
-             "theta at no more mean context.", "",
+             "theta at no more mean context (`all`: every length together, the held-out mean).", "",
              "| path | length | system | mean score (n) | mean context | model against it |", "|---|---|---|---|---|---|"]
     for path in ("", "-chat"):
         model = by.get(f"engram-alloc{path}", {})
-        for length in lengths:
-            keys = sorted(k for k in model if k[1] == length)
+        for length in [*lengths, None]:  # None: the held-out mean over every length
+            keys = sorted(k for k in model if length in (None, k[1]))
             if not keys:
                 continue
             for system in (f"engram-alloc{path}", f"engram-best{path}", f"engram{path}"):
                 # Over the samples the model answered, so that each row's mean is of the same samples.
-                runs = [r for k, r in by.get(system, {}).items() if k in model and k[1] == length]
+                runs = [r for k, r in by.get(system, {}).items() if k in model and length in (None, k[1])]
                 if not runs:
                     continue
                 versus = "-" if system.startswith("engram-alloc") else _paired(model, by[system], keys)
-                lines.append(f"| {'chat' if path else 'prompt'} | {length:,} | {system} | "
+                where = "all" if length is None else f"{length:,}"
+                lines.append(f"| {'chat' if path else 'prompt'} | {where} | {system} | "
                              f"{_mean([r['score'] for r in runs]):.3f} ({len(runs)}) | {_context(runs)} | {versus} |")
     return lines
 

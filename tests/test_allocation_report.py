@@ -60,3 +60,15 @@ def test_sign_test_and_bootstrap():
     assert round(sign_test(10, 0), 4) == round(2 / 2**10, 4)
     lo, hi = paired_bootstrap([1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0])
     assert -1.0 <= lo <= 0.5 <= hi <= 1.0
+
+
+def test_the_held_out_mean_pools_every_length(tmp_path):
+    runs = [_run("passkey", "engram-alloc", s, 1.0, length=n) for s in range(4) for n in (4096, 8192)]
+    runs += [_run("passkey", "engram-best", s, 0.0 if n == 8192 else 1.0, length=n) for s in range(4)
+             for n in (4096, 8192)]
+    _write(tmp_path, "a", runs)
+    allocation_report.main(["--dir", str(tmp_path), "--names", "a", "--name", "out"])
+    md = (tmp_path / "out.md").read_text()
+    assert "| prompt | 8,192 | engram-best | 0.000 (4) | 300 | +1.000 (" in md
+    assert "| prompt | all | engram-best | 0.500 (8) | 300 | +0.500 (" in md  # both lengths' samples
+    assert "| prompt | all | engram-alloc | 1.000 (8) | 300 | - |" in md
