@@ -39,9 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     dropped = {*args.drop, *(f"{s}-chat" for s in args.drop)}
     tasks = set(args.tasks)
 
-    payload = json.loads((args.out / f"{args.into}.json").read_text())
-    model_id = payload["model"]
-    runs, commands, notes = previous_runs(args.out / f"{args.into}.json", model_id, must_exist=True)
+    into = args.out / f"{args.into}.json"
+    if not into.exists():
+        raise SystemExit(f"{into} does not exist (--into names a results file without .json)")
+    model_id = json.loads(into.read_text()).get("model")  # what every source must hold runs of
+    runs, commands, notes = previous_runs(into, model_id, must_exist=True)
     kept = [r for r in runs if not (r["task"] in tasks and r["system"] in dropped)]
     incoming: dict[tuple, dict] = {}  # a run in two sources (a cell run again elsewhere): the later source's
     remaining: dict[Path, list[dict]] = {}  # a source's runs that stay in it

@@ -62,6 +62,8 @@ def test_a_rename_onto_runs_not_dropped_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="--drop it"):
         relabel.main(["--into", "into", "--source", "src", "--tasks", "passkey", "--rename",
                       "engram-alloc-no-idoc=engram-alloc", "--because", "x", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="nope.json does not exist"):
+        relabel.main(["--into", "nope", "--tasks", "passkey", "--because", "x", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="OLD=NEW"):
         relabel.main(["--into", "into", "--tasks", "passkey", "--rename", "engram-alloc", "--because", "x",
                       "--out", str(tmp_path)])
