@@ -11,10 +11,14 @@ Two formats (`GenerationConfig.chat_format`):
 
 Either way the question's own tokens are encoded on their own, so their span (what recall matches)
 is known exactly.
+
+With `GenerationConfig.answer_start` "echo", a question of the form "What is/are X?" has its answer begun
+for the model as "X is/are" (`echo`), the way a benchmark prompt begins it; the reply includes that start.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +37,7 @@ class Turn:
     prompt_ids: list[int]
     question_span: tuple[int, int]  # [start, end) of the question's tokens in prompt_ids
     stop_text: str | None  # the reply ends where this text follows some output
+    reply_start: str = ""  # the answer's first words, read after the prompt and the first piece of the reply
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -60,14 +65,40 @@ def encode_prompt(tokenizer: Any, prompt: str, question: str | None) -> tuple[li
 
 def chat_turn(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str]], message: str) -> Turn:
     """The token ids of a user turn after `history`, in `cfg.chat_format`."""
+    start = echo(message) if cfg.answer_start == "echo" else None
     if cfg.chat_format == "qa":
+        reply_start = "" if start is None else " " + start
         ids, span = encode_around(tokenizer, "\n\nQuestion:", " " + message.strip(), "\nAnswer:")
-        return Turn([], ids, span, "\n\n")
+        return Turn([], ids + encode(tokenizer, reply_start), span, "\n\n", reply_start)
     turn = {"role": "user", "content": message}
     preamble, question = _template_turn(tokenizer, history, turn)
     split = len(message) if question.startswith(message) else 0  # 0: no known message span to match
     ids, span = encode_around(tokenizer, "", question[:split], question[split:])
-    return Turn(encode(tokenizer, preamble), ids, span, None)
+    reply_start = start or ""
+    return Turn(encode(tokenizer, preamble), ids + encode(tokenizer, reply_start), span, None, reply_start)
+
+
+_WHAT = re.compile(r"(?i)^\s*what(?:\s+(is|are)\s+|'s\s+)(?:all\s+(?:of\s+)?)?(.+?)\s*\?\s*$", re.DOTALL)
+# A last word that makes "X is" wrong English ("What is it called?", "What is the weather like?")
+_NOT_A_SUBJECT_END = {"about", "at", "called", "do", "doing", "does", "for", "from", "going", "happening", "in",
+                      "known", "like", "made", "mean", "means", "named", "of", "on", "to", "used", "with"}
+_PERSON = {"i": "you", "me": "you", "my": "your", "mine": "yours", "myself": "yourself", "we": "you",
+           "us": "you", "our": "your", "ours": "yours", "you": "I", "your": "my", "yours": "mine"}
+
+
+def echo(message: str) -> str | None:
+    """The start of an answer to a one-sentence "What is/are X?" question: "X is/are", in the answerer's
+    person ("What is my sister's name?" -> "Your sister's name is"); None for any other message."""
+    match = _WHAT.match(message)
+    if match is None or "\n" in match[2] or re.search(r"[.?!]\s", match[2]):
+        return None
+    words = match[2].split()
+    if words[-1].lower().strip("\"'") in _NOT_A_SUBJECT_END or words[0].lower() in ("it", "that", "this", "there"):
+        return None
+    words = [_PERSON.get(w.lower(), w) for w in words]
+    subject = " ".join(words)
+    verb = (match[1] or "is").lower()
+    return subject[0].upper() + subject[1:] + " " + verb
 
 
 def _template_turn(tokenizer: Any, history: list[dict[str, str]], turn: dict[str, str]) -> tuple[str, str]:

@@ -265,6 +265,12 @@ class GenerationConfig(_Strict):
             "template it answers from its own weights and ignores recalled events that it uses in the 'qa' form."
         ),
     )
+    answer_start: Literal["none", "echo"] = Field(
+        default="none",
+        description="How `chat` begins an answer. 'echo': a question 'What is/are X?' is answered from 'X is/are' "
+        "on (in the answerer's person: 'my' becomes 'your'), as a benchmark prompt begins it; the reply includes "
+        "those words. 'none': the model writes the whole answer.",
+    )
 
 
 class IndexConfig(_Strict):

@@ -234,6 +234,9 @@ class Session:
                      theta: Theta | None, allocated: bool = False) -> Iterator[str]:  # allocated: ask_many's theta
         turn = chat.chat_turn(self.lm.tokenizer, self.cfg.generation, self._reader.chat_history, message)
         reply: list[str] = []
+        if turn.reply_start:  # the answer's first words, already in the prompt
+            reply.append(turn.reply_start)
+            yield turn.reply_start
         for piece in self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text,
                                  turn.question_span, budget_tokens, theta, allocated):
             reply.append(piece)
