@@ -266,10 +266,11 @@ class GenerationConfig(_Strict):
         ),
     )
     answer_start: Literal["none", "echo"] = Field(
-        default="none",
+        default="echo",
         description="How `chat` begins an answer. 'echo': a question 'What is/are X?' is answered from 'X is/are' "
         "on (in the answerer's person: 'my' becomes 'your'), as a benchmark prompt begins it; the reply includes "
-        "those words. 'none': the model writes the whole answer.",
+        "those words (the embedded model then lists every item a several-item question asks for, as it does "
+        "under the benchmark's prompt). 'none': the model writes the whole answer.",
     )
 
 

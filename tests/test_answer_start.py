@@ -37,7 +37,8 @@ def test_other_messages_are_not_echoed(question):
 @pytest.mark.parametrize("chat_format", ["qa", "template"])
 def test_the_echo_follows_the_prompt_outside_the_questions_span(chat_format):
     tokenizer = IntTokenizer()
-    plain = chat.chat_turn(tokenizer, GenerationConfig(chat_format=chat_format), [], "What is the pass key?")
+    plain = chat.chat_turn(tokenizer, GenerationConfig(chat_format=chat_format, answer_start="none"), [],
+                            "What is the pass key?")
     echoed = chat.chat_turn(tokenizer, GenerationConfig(chat_format=chat_format, answer_start="echo"), [],
                             "What is the pass key?")
     assert plain.reply_start == ""
