@@ -95,6 +95,8 @@ def echo(message: str) -> str | None:
     words = match[2].split()
     if words[-1].lower().strip("\"'") in _NOT_A_SUBJECT_END or words[0].lower() in ("it", "that", "this", "there"):
         return None
+    if len(words) == 1 and words[0].lower() in _PERSON:  # "What are you?": "I are" would not agree
+        return None
     words = [_PERSON.get(w.lower(), w) for w in words]
     subject = " ".join(words)
     verb = (match[1] or "is").lower()

@@ -25,6 +25,7 @@ def test_a_what_question_is_echoed_in_the_answerers_person(question, start):
     "What is my sister called?",  # "Your sister called is" is not English
     "What is the weather like?",
     "What is it?",
+    "What are you?",  # "I are" would not agree
     "In which city does my sister live?",
     "What is the key? Tell me twice.",
     "What is the key",  # not asked as a question
