@@ -257,21 +257,14 @@ class GenerationConfig(_Strict):
                                 "masked until then): 1, the model cannot end its turn at once (an empty reply).")
     temperature: float = Field(default=0.0, ge=0, description="0 is greedy.")
     seed: int = 0
-    chat_format: Literal["qa", "template"] = Field(
-        default="qa",
-        description=(
-            "How `chat` renders a turn. 'qa': 'Question: ...\nAnswer:', the reply ending at a blank line (not one "
-            "after a colon). 'template': the model's chat template. Measured on the embedded 135M model: under its "
-            "template it answers from its own weights and ignores recalled events that it uses in the 'qa' form."
-        ),
-    )
-    answer_start: Literal["none", "echo"] = Field(
-        default="echo",
-        description="How `chat` begins an answer. 'echo': a question 'What is/are X?' is answered from 'X is/are' "
-        "on (in the answerer's person: 'my' becomes 'your'), as a benchmark prompt begins it; the reply includes "
-        "those words (the embedded model then lists every item a several-item question asks for, as it does "
-        "under the benchmark's prompt). 'none': the model writes the whole answer.",
-    )
+    chat_format: Literal["qa", "template"] = Field(default="qa", description=(
+        "How `chat` renders a turn. 'qa': 'Question: ...\nAnswer:', the reply ending at a blank line (not one "
+        "after a colon). 'template': the model's chat template. Measured on the embedded 135M model: under its "
+        "template it answers from its own weights and ignores recalled events that it uses in the 'qa' form."))
+    answer_start: Literal["none", "echo"] = Field(default="echo", description=(
+        "'echo': `chat` begins the answer to 'What is/are X?' as 'X is/are' (in the answerer's person), as a "
+        "benchmark prompt does, and the reply includes it: the embedded model then lists every item a "
+        "several-item question asks for. 'none': the model writes the whole answer."))
 
 
 class IndexConfig(_Strict):
