@@ -7,7 +7,9 @@ theta, fit `retrieval.allocation`'s model, and report it on held-out samples.
    run ingests it again); its question is asked as a chat turn (`Session.chat`: what `ask` and the TUI do)
    under every theta of the design, each time from the store opened read-only, so no answer sees another.
 3. Each answer is one JSON line of the observations file (sample, theta, features, reply, score, context
-   tokens); a run skips the answers the file already holds, so it resumes where it stopped.
+   tokens, and the answer path: the settings besides theta that shape the answer, `answer_path`); a run
+   skips the answers the file already holds, so it resumes where it stopped, and refuses a file answered
+   on another path (a fit on answers of two forms predicts neither).
 4. The fit is cross-validated over samples (`holdout` folds): each sample's answers are predicted by a fit
    without it, giving R^2 and MSE of the model and of the ablations (no interaction: B = 0; linear instead
    of logit), and each sample is answered by that fit's choice, against the default theta and the best
@@ -64,7 +66,26 @@ class CalibrationReport(BaseModel):
     held_out_scores: dict[str, float]  # mean held-out score per name of `CHOICES`
     held_out_context: dict[str, float]  # mean effective context tokens of the same answers
     held_out_per_sample: dict[str, list[float]]  # the same answers' scores, one per sample in one order
-    config: dict[str, Any]  # the allocation and calibration settings
+    config: dict[str, Any]  # the allocation and calibration settings, and the observations' answer path
+
+
+def answer_path(cfg: EngineConfig) -> dict[str, Any]:
+    """The settings besides theta that shape a calibration answer: the chat turn's form and what the answer
+    reads of its hits. Coefficients predict answers of the path they were fitted on: a change of these
+    defaults needs a new calibration (a test holds the shipped coefficients to the defaults)."""
+    return {"chat_format": cfg.generation.chat_format, "answer_start": cfg.generation.answer_start,
+            "min_new_tokens": cfg.generation.min_new_tokens, "temperature": cfg.generation.temperature,
+            "answer_reading": cfg.recall.answer_reading, "answer_layout": cfg.recall.answer_layout}
+
+
+def _one_path(rows: list[dict[str, Any]], observations: Path) -> dict[str, Any] | None:
+    """The answer path every row of `observations` was answered on (None: written before paths were
+    recorded); rows of two paths are an InputError."""
+    paths = {json.dumps(row.get("answer_path"), sort_keys=True) for row in rows}
+    if len(paths) > 1:
+        raise InputError(f"{observations} mixes answers of {len(paths)} answer paths ({sorted(paths)}): a fit "
+                         "on answers of two forms predicts neither; answer each path in its own --work-dir")
+    return json.loads(paths.pop()) if paths else None
 
 
 def design(cfg: EngineConfig, default: Theta) -> list[Theta]:
@@ -117,6 +138,10 @@ def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
     default = Answerer.default_for(cfg)
     thetas = design(cfg, default)
     rows, added = _rows(observations), 0
+    path = answer_path(cfg)
+    if rows and _one_path(rows, observations) != path:
+        raise InputError(f"{observations} was answered on another answer path ({_one_path(rows, observations)}) "
+                         f"than this run's ({path}): use another --work-dir, or the settings it was answered with")
     done = {(row["sample"], tuple(row["theta"].values())) for row in rows}
     # Samples answered before a feature was added: their rows get the features of their first new answer.
     stale = {row["sample"] for row in rows if len(row["features"]) != len(allocation.FEATURES)}
@@ -141,7 +166,7 @@ def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
                 plan = session.last_plan
             row = {"sample": _key(sample), "task": sample.task, "length": sample.length, "seed": sample.seed,
                    "theta": asdict(theta), "features": _fitted_features(plan), "reply": reply,
-                   "score": sample.score(reply), "context_tokens": plan.context_tokens}
+                   "score": sample.score(reply), "context_tokens": plan.context_tokens, "answer_path": path}
             with observations.open("a") as out:
                 out.write(json.dumps(row) + "\n")
             added += 1
@@ -250,6 +275,7 @@ def fit_observations(cfg: EngineConfig, model_id: str, observations: Path, demon
     rows = _rows(observations)
     if not rows:
         raise InputError(f"{observations} holds no observations; run `engramkv calibrate` without --fit-only")
+    path = _one_path(rows, observations)
     keys = sorted({row["sample"] for row in rows})
     folds = cfg.calibration.holdout
     if len(keys) < folds:
@@ -284,7 +310,8 @@ def fit_observations(cfg: EngineConfig, model_id: str, observations: Path, demon
         held_out_scores={name: _mean([r["score"] for r in picked]) for name, picked in chosen.items()},
         held_out_context={name: _mean([r["context_tokens"] for r in picked]) for name, picked in chosen.items()},
         held_out_per_sample={name: [r["score"] for r in picked] for name, picked in chosen.items()},
-        config={"allocation": cfg.allocation.model_dump(), "calibration": cfg.calibration.model_dump()},
+        config={"allocation": cfg.allocation.model_dump(), "calibration": cfg.calibration.model_dump(),
+                "answer_path": path},
     )
 
 

@@ -9,8 +9,9 @@ import torch
 
 from engramkv import EngineConfig, InputError, Theta, calibrate
 from engramkv.retrieval.allocation import load_model as allocation_model
-from engramkv.calibration import _held_out_choice, design, fit_observations, refeature, run
-from engramkv.config import AllocationConfig, CalibrationConfig, RecallConfig, SegmentationConfig, WindowConfig
+from engramkv.calibration import _held_out_choice, answer_path, design, fit_observations, refeature, run
+from engramkv.config import (AllocationConfig, CalibrationConfig, GenerationConfig, RecallConfig, SegmentationConfig,
+                             WindowConfig)
 from engramkv.retrieval import allocation
 from engramkv.retrieval.allocation import AllocationModel
 from engramkv.tasks import CALIBRATION_SEEDS, cut_repeats
@@ -157,6 +158,38 @@ def test_a_fit_without_observations_is_an_input_error(tmp_path):
     (tmp_path / "observations.jsonl").write_text("")
     with pytest.raises(InputError):
         fit_observations(EngineConfig(), "m", tmp_path / "observations.jsonl", [0, 40, 80, 120])
+
+
+def test_observations_record_their_answer_path_and_a_run_on_another_path_is_refused(tmp_path):
+    _, lm = tiny_pair("llama", CFG)
+    lm.tokenizer = ModTokenizer()
+    observations = tmp_path / "observations.jsonl"
+    one = CFG.model_copy(update={"calibration": CFG.calibration.model_copy(update={"samples": 1, "design_size": 1})})
+    run(lm, one, tmp_path, observations, lambda line: None)
+    rows = [json.loads(line) for line in observations.read_text().splitlines()]
+    assert rows and all(row["answer_path"] == answer_path(one) for row in rows)
+    other = one.model_copy(update={"generation": GenerationConfig(answer_start="none")})
+    assert answer_path(other) != answer_path(one)
+    with pytest.raises(InputError, match="another answer path"):
+        run(lm, other, tmp_path, observations, lambda line: None)
+    assert [json.loads(line) for line in observations.read_text().splitlines()] == rows  # nothing added
+
+
+def test_the_fit_records_the_answer_path_and_refuses_answers_of_two_paths(tmp_path):
+    truth = AllocationModel(a=[0.1] * 5, b=[[0.0] * len(allocation.FEATURES)] * 5, c=-0.3, eps=0.01,
+                            features=list(allocation.FEATURES))
+    observations = tmp_path / "observations.jsonl"
+    _synthetic_observations(observations, truth, n_samples=8)
+    rows = [json.loads(line) for line in observations.read_text().splitlines()]
+    path = answer_path(EngineConfig())
+    observations.write_text("".join(json.dumps({**row, "answer_path": path}) + "\n" for row in rows))
+    report = fit_observations(EngineConfig(), "m", observations, [0, 40, 80, 120])
+    assert report.config["answer_path"] == path
+    rows[0]["answer_path"] = {**path, "answer_start": "none"}
+    observations.write_text("".join(json.dumps({**row, "answer_path": row.get("answer_path", path)}) + "\n"
+                                    for row in rows))
+    with pytest.raises(InputError, match="answer paths"):
+        fit_observations(EngineConfig(), "m", observations, [0, 40, 80, 120])
 
 
 def test_a_degenerate_reply_is_cut_at_its_repeat():
