@@ -39,7 +39,7 @@ QUICK_LENGTH = 2048
 QUICK_TASKS = ["passkey", "niah-multikey", "conversation"]
 OUT = RESULTS / "evaluate"
 # What older results files record about their own provenance, kept when a grid is resumed or merged.
-FILE_NOTES = ("commit_of_file", "commit_note", "relabelled")  # relabelled: benchmarks/relabel.py
+FILE_NOTES = ("commit_of_file", "commit_note", "relabelled", "rescored")  # relabel.py, rescore.py
 
 
 def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
@@ -206,6 +206,8 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
                         f"added in commit {notes['commit_of_file'][:7]}.", ""]
     for note in notes.get("relabelled", []):  # runs moved under another system name (benchmarks/relabel.py)
         lines += [f"Relabelled: {note}; each such run names its old system in `relabelled_from`.", ""]
+    for note in notes.get("rescored", []):  # runs scored again after the scorer changed (benchmarks/rescore.py)
+        lines += [f"Rescored: {note}; each such run keeps its old score in `score_before_rescore`.", ""]
     for task in tasks:
         lines += [f"## {task}", "", "| system | " + " | ".join(length_label(n) for n in lengths) + " |",
                   "|---|" + "---|" * len(lengths)]

@@ -16,8 +16,8 @@ CPython), sections in a seeded random order, cut to length. Each sample ends wit
 prompt (InfiniteBench's and RULER's templates: the question, then the answer begun for the model;
 the conversation asks as a next user turn). Asked through chat, a sample's question is typed as a user
 would (`Sample.chat_question`: the question itself, or for kv a sentence around its key). A sample is
-scored by the share of its expected answers that appear in the reply, cut first where it starts to repeat
-itself (`cut_repeats`).
+scored by the share of its expected answers that appear in the reply, case ignored as RULER's scorer ignores
+it, the reply cut first where it starts to repeat itself (`match_share`, `cut_repeats`).
 
 Seeds: the evaluation uses 0, 1, 2, ...; calibration starts at `CALIBRATION_SEEDS` so the two never share a
 sample.
@@ -70,14 +70,20 @@ class Sample:
         return max(at_least, needed)
 
     def score(self, reply: str) -> float:
-        """Share of the expected answers in the reply, cut at its first repeat (`cut_repeats`)."""
-        reply = cut_repeats(reply)
-        return sum(answer in reply for answer in self.answers) / len(self.answers)
+        """Share of the expected answers in the reply (`match_share`)."""
+        return match_share(self.answers, reply)
 
 
 REPLY_GLUE_TOKENS = 16  # the words of a reply besides the question it restates and the answers
 CALIBRATION_SEEDS = 100_000  # calibration samples use seeds from here on; the evaluation's stay below
 _SENTENCE = re.compile(r"[^.!?\n]*[.!?\n]+|[^.!?\n]+$")
+
+
+def match_share(answers: list[str], reply: str) -> float:
+    """Share of `answers` in `reply` cut at its first repeat (`cut_repeats`), each matched as RULER's
+    `string_match_all` matches: a substring, case ignored ("Blue" answers "blue")."""
+    reply = cut_repeats(reply).lower()
+    return sum(answer.lower() in reply for answer in answers) / len(answers)
 
 
 def cut_repeats(reply: str, times: int = 3) -> str:
