@@ -23,7 +23,11 @@ Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --
   engram-alloc            engramkv, the inference parameters theta chosen per question by the allocation
                           model (the coefficients shipped in engramkv/coefficients/)
   engram-best             engramkv under the best single fixed theta of the shipped calibration
-  engram-chat / engram-alloc-chat / engram-best-chat
+  engram-alloc-candidate / engram-best-candidate
+                          the same two under a candidate calibration not shipped
+                          (benchmarks/results/calibration/candidate.coefficients.json): judged on the grid
+                          before it replaces the shipped one (`relabel.py` then moves their runs)
+  engram-chat / engram-alloc-chat / engram-best-chat (and the candidates' -chat)
                           the same, the question asked as a user asks it (`Session.chat`, what
                           `engramkv ask` and the TUI do) instead of with the benchmark's prompt
 
@@ -51,6 +55,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import faiss
@@ -435,10 +440,14 @@ def shipped_calibration(model_id: str) -> dict[str, Any]:
 
 
 ALLOCATION = EngineConfig().with_allocation_mode("model")
+CANDIDATE_COEFFICIENTS = Path(__file__).resolve().parents[1] / "results" / "calibration" / "candidate.coefficients.json"
+CANDIDATE = ALLOCATION.model_copy(update={"allocation": ALLOCATION.allocation.model_copy(
+    update={"coefficients": str(CANDIDATE_COEFFICIENTS)})})
 # Systems that differ from engram only at question time: one ingest per sample serves them all. "-chat": the
 # question asked as a user asks it (Session.chat); without: the benchmark's own prompt (Session.generate).
-QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best"}
-CONFIGS = {"fixed": FIXED, "best": FIXED, "model": ALLOCATION}
+QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best",
+                 "engram-alloc-candidate": "candidate", "engram-best-candidate": "best-candidate"}
+CONFIGS = {"fixed": FIXED, "best": FIXED, "model": ALLOCATION, "candidate": CANDIDATE, "best-candidate": FIXED}
 
 
 def _question_time_system(kind: str, chat_path: bool) -> SystemFn:
@@ -446,6 +455,8 @@ def _question_time_system(kind: str, chat_path: bool) -> SystemFn:
         theta = None
         if kind == "best":
             theta = Theta(**shipped_calibration(models.model_id)["best_fixed_theta"])
+        elif kind == "best-candidate":
+            theta = Theta(**json.loads(CANDIDATE_COEFFICIENTS.read_text())["best_fixed_theta"])
         return _question_time_run(models, sample, CONFIGS[kind], chat_path, theta)
     return answer
 
@@ -454,11 +465,12 @@ for _name, _kind in QUESTION_TIME.items():
     SYSTEMS[_name] = _question_time_system(_kind, chat_path=False)
     SYSTEMS[f"{_name}-chat"] = _question_time_system(_kind, chat_path=True)
 OPTIONAL_SYSTEMS = ("full-around-fact", "engram-before-question", "engram-fixed", *(s for s in VARIANTS if s.startswith("engram-store-")),
-                    *(s for s in SYSTEMS if s.endswith("-chat") or s in ("engram-alloc", "engram-best")))
+                    *(s for s in SYSTEMS if s.endswith("-chat") or s.endswith("-candidate")
+                      or s in ("engram-alloc", "engram-best")))
 DEFAULT_SYSTEMS = [name for name in SYSTEMS if name not in OPTIONAL_SYSTEMS]
 # The allocation grid of issue 17: the engram systems on both prompt paths against RAG and full attention.
 ALLOCATION_SYSTEMS = ["full", "full-around-fact", "rag",
-                      *(f"{n}{path}" for n in QUESTION_TIME for path in ("", "-chat"))]
+                      *(f"{n}{path}" for n in QUESTION_TIME if not n.endswith("-candidate") for path in ("", "-chat"))]
 
 
 def system_config(name: str) -> Any:
@@ -468,6 +480,8 @@ def system_config(name: str) -> Any:
         path = "Session.chat(question)" if name.endswith("-chat") else "Session.generate(prompt, question=)"
         theta = {"best": "the best fixed theta of the shipped calibration",
                  "model": "the allocation model's choice (shipped coefficients)",
+                 "candidate": f"the allocation model's choice ({CANDIDATE_COEFFICIENTS.name}, not shipped)",
+                 "best-candidate": f"the best fixed theta of {CANDIDATE_COEFFICIENTS.name} (not shipped)",
                  "fixed": "the fixed default"}[kind]
         return {"engine": CONFIGS[kind].model_dump(mode="json"), "asked_with": path, "theta": theta,
                 "ingest": "one in-RAM stream per sample, shared by the question-time systems (Session.fork)"}
