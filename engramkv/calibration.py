@@ -72,7 +72,7 @@ class CalibrationReport(BaseModel):
 def answer_path(cfg: EngineConfig) -> dict[str, Any]:
     """The settings besides theta that shape a calibration answer: the chat turn's form and what the answer
     reads of its hits. Coefficients predict answers of the path they were fitted on: a change of these
-    defaults needs a new calibration (a test holds the shipped coefficients to the defaults)."""
+    defaults needs a new calibration of the shipped coefficients."""
     return {"chat_format": cfg.generation.chat_format, "answer_start": cfg.generation.answer_start,
             "min_new_tokens": cfg.generation.min_new_tokens, "temperature": cfg.generation.temperature,
             "answer_reading": cfg.recall.answer_reading, "answer_layout": cfg.recall.answer_layout}
