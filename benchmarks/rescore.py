@@ -55,16 +55,19 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer, _ = hf.load_tokenizer(ModelConfig())
         for path in args.observations:
             rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            changed = 0
+            changed, answers = 0, {}  # a sample's answers, made once for all the thetas it was answered under
             for row in rows:
-                sample = TASKS[row["task"]](tokenizer, row["length"], row["seed"])
-                score = match_share(sample.answers, row["reply"])
+                key = (row["task"], row["length"], row["seed"])
+                if key not in answers:
+                    answers[key] = TASKS[key[0]](tokenizer, key[1], key[2]).answers
+                score = match_share(answers[key], row["reply"])
                 if score != row["score"]:
                     row.setdefault("score_before_rescore", row["score"])
                     row["score"], changed = score, changed + 1
-            partial = path.with_suffix(".partial")
-            partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
-            partial.replace(path)
+            if changed:
+                partial = path.with_suffix(".partial")
+                partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+                partial.replace(path)
             print(f"{path}: {changed} of {len(rows)} observations changed score")
 
 

@@ -139,9 +139,9 @@ def run(lm: EpisodicLM, cfg: EngineConfig, work_dir: Path, observations: Path,
     thetas = design(cfg, default)
     rows, added = _rows(observations), 0
     path = answer_path(cfg)
-    if rows and _one_path(rows, observations) != path:
-        raise InputError(f"{observations} was answered on another answer path ({_one_path(rows, observations)}) "
-                         f"than this run's ({path}): use another --work-dir, or the settings it was answered with")
+    if rows and (answered := _one_path(rows, observations)) != path:
+        raise InputError(f"{observations} was answered on another answer path ({answered}) than this run's "
+                         f"({path}): use another --work-dir, or the settings it was answered with")
     done = {(row["sample"], tuple(row["theta"].values())) for row in rows}
     # Samples answered before a feature was added: their rows get the features of their first new answer.
     stale = {row["sample"] for row in rows if len(row["features"]) != len(allocation.FEATURES)}
