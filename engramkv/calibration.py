@@ -62,7 +62,7 @@ class CalibrationReport(BaseModel):
     fits: dict[str, FitReport]  # per name of `FITS`
     design: list[dict[str, int]]  # the thetas every sample was answered under
     default_theta: dict[str, int]
-    best_fixed_theta: dict[str, int]  # the best mean score over the fitted samples
+    best_fixed_theta: dict[str, int]  # the best mean score over the fitted samples (`_best_fixed`)
     held_out_scores: dict[str, float]  # mean held-out score per name of `CHOICES`
     held_out_context: dict[str, float]  # mean effective context tokens of the same answers
     held_out_per_sample: dict[str, list[float]]  # the same answers' scores, one per sample in one order
@@ -70,9 +70,8 @@ class CalibrationReport(BaseModel):
 
 
 def answer_path(cfg: EngineConfig) -> dict[str, Any]:
-    """The settings besides theta that shape a calibration answer: the chat turn's form and what the answer
-    reads of its hits. Coefficients predict answers of the path they were fitted on: a change of these
-    defaults needs a new calibration of the shipped coefficients."""
+    """The settings besides theta that shape a calibration answer (the chat turn's form, what the answer reads of
+    its hits): coefficients predict answers of their path, so a change of these defaults needs a new calibration."""
     return {"chat_format": cfg.generation.chat_format, "answer_start": cfg.generation.answer_start,
             "min_new_tokens": cfg.generation.min_new_tokens, "temperature": cfg.generation.temperature,
             "answer_reading": cfg.recall.answer_reading, "answer_layout": cfg.recall.answer_layout}
@@ -89,8 +88,7 @@ def _one_path(rows: list[dict[str, Any]], observations: Path) -> dict[str, Any] 
 
 
 def design(cfg: EngineConfig, default: Theta) -> list[Theta]:
-    """The default theta, `design_size` others drawn from the allocation grid with `design_seed`, and
-    `design_extra`."""
+    """The default theta, `design_size` others of the allocation grid (drawn with `design_seed`), `design_extra`."""
     a = cfg.allocation
     grid = sorted({Theta(k, s, n, m, w) for k in a.k for s in a.s for n in a.n for m in a.m for w in a.w} - {default})
     drawn = random.Random(cfg.calibration.design_seed).sample(grid, min(cfg.calibration.design_size, len(grid)))
@@ -259,11 +257,13 @@ def _fits(part: list[dict[str, Any]], cfg: EngineConfig) -> dict[str, Allocation
 
 
 def _best_fixed(part: list[dict[str, Any]]) -> Theta:
-    """The theta of the best mean score over `part` (ties: the fewest memory tokens)."""
-    by: dict[Theta, list[float]] = {}
+    """The theta of the best mean score in `part` over the samples every theta was answered on (one answered on
+    fewer, easier samples is not favoured; none shared: each theta's own; ties: the fewest memory tokens)."""
+    by: dict[Theta, dict[str, float]] = {}
     for row in part:
-        by.setdefault(Theta(**row["theta"]), []).append(float(row["score"]))
-    return max(by, key=lambda t: (sum(by[t]) / len(by[t]), -t.k * t.s * t.n))
+        by.setdefault(Theta(**row["theta"]), {})[row["sample"]] = float(row["score"])
+    shared = set.intersection(*map(set, by.values()))
+    return max(by, key=lambda t: (_mean([v for k, v in by[t].items() if k in shared or not shared]), -t.k * t.s * t.n))
 
 
 def fit_observations(cfg: EngineConfig, model_id: str, observations: Path, demonstration_tokens: Sequence[int]

@@ -9,7 +9,7 @@ import torch
 
 from engramkv import EngineConfig, InputError, Theta, calibrate
 from engramkv.retrieval.allocation import load_model as allocation_model
-from engramkv.calibration import _held_out_choice, answer_path, design, fit_observations, refeature, run
+from engramkv.calibration import _best_fixed, _held_out_choice, answer_path, design, fit_observations, refeature, run
 from engramkv.config import (AllocationConfig, CalibrationConfig, GenerationConfig, RecallConfig, SegmentationConfig,
                              WindowConfig)
 from engramkv.retrieval import allocation
@@ -152,6 +152,20 @@ def test_the_held_out_choice_is_made_on_nominal_costs_as_a_session_makes_it():
     picked = _held_out_choice(model, rows, default, four, cfg, [0, 42, 80, 120])
     assert [row["theta"] for row in picked["model"]] == [one.__dict__]
     assert [row["theta"] for row in picked["model_as_shipped"]] == [one.__dict__]
+
+
+def test_the_best_fixed_theta_is_judged_on_the_samples_every_theta_was_answered_on():
+    # (2, 64) answered two samples (1.0, 0.5); (4, 64) those two (1.0, 1.0) and two hard ones (0, 0). Over each
+    # theta's own samples (2, 64) leads, 0.75 to 0.5, only because it skipped the hard ones; over the shared
+    # samples (4, 64) does, 1.0 to 0.75.
+    cheap, wide = Theta(2, 64, 1, 0, 0), Theta(4, 64, 1, 0, 0)
+    rows = [{"sample": f"s{i}", "theta": cheap.__dict__, "score": score} for i, score in enumerate((1.0, 0.5))]
+    rows += [{"sample": f"s{i}", "theta": wide.__dict__, "score": score} for i, score in enumerate((1.0, 1.0, 0, 0))]
+    assert _best_fixed(rows) == wide
+    rows[1]["score"] = 1.0
+    assert _best_fixed(rows) == cheap  # a tie over the shared samples: the fewer memory tokens
+    assert _best_fixed([{"sample": "a", "theta": cheap.__dict__, "score": 0.0},
+                        {"sample": "b", "theta": wide.__dict__, "score": 1.0}]) == wide  # none shared: their own
 
 
 def test_a_fit_without_observations_is_an_input_error(tmp_path):
