@@ -33,7 +33,7 @@ from engramkv.config import EngineConfig, ModelConfig
 from engramkv.hf import load_pretrained
 from evalkit.stats import wilson
 from evalkit.systems import ALLOCATION_SYSTEMS, DEFAULT_SYSTEMS, OPTIONAL_SYSTEMS, SYSTEMS, Models, system_config
-from engramkv.tasks import TASKS
+from engramkv.tasks import CALIBRATION_SEEDS, TASKS
 
 QUICK_LENGTH = 2048
 QUICK_TASKS = ["passkey", "niah-multikey", "conversation"]
@@ -51,6 +51,9 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
                         " ".join(OPTIONAL_SYSTEMS) + "; 'allocation': " + " ".join(ALLOCATION_SYSTEMS) + ")")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--samples", type=int, default=1, help="samples per task and length (default 1)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="the samples' seeds are FIRST_SEED ... FIRST_SEED + samples - 1 (default 0): fresh "
+                             "questions beside a grid's; they stay below the calibration's seeds")
     parser.add_argument("--full-max", type=int, default=16384,
                         help="longest context for full attention (its cost is quadratic; default 16384)")
     parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
@@ -85,6 +88,9 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     if args.quick:
         args.lengths, args.samples = [QUICK_LENGTH], 1
     args.tasks = args.tasks or (QUICK_TASKS if args.quick else list(TASKS))
+    if not 0 <= args.first_seed <= CALIBRATION_SEEDS - args.samples:
+        raise SystemExit(f"--first-seed {args.first_seed}: the seeds must lie in 0 ... {CALIBRATION_SEEDS - 1}, "
+                         "below the calibration's (tasks.CALIBRATION_SEEDS)")
     if "allocation" in args.systems:
         args.systems = list(dict.fromkeys(s for name in args.systems
                                           for s in (ALLOCATION_SYSTEMS if name == "allocation" else [name])))
@@ -124,7 +130,7 @@ def run_grid(args: argparse.Namespace, models: Models, model_id: str, runs: list
     done = {_key(r) for r in runs}
     for length in sorted(args.lengths):
         for task in args.tasks:
-            for seed in range(args.samples):
+            for seed in seeds(args):
                 todo = [s for s in args.systems if (task, s, length, seed) not in done and _runs(args, task, s, length)]
                 if not todo:
                     continue
@@ -152,7 +158,7 @@ def kept_runs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict
     other tasks alone."""
     def in_grid(run: dict[str, Any]) -> bool:
         return (run["task"] in args.tasks and run["system"] in args.systems and run["length"] in args.lengths
-                and run["seed"] < args.samples and _runs(args, run["task"], run["system"], run["length"]))
+                and run["seed"] in seeds(args) and _runs(args, run["task"], run["system"], run["length"]))
 
     def to_rerun(run: dict[str, Any]) -> bool:
         return ((run["system"] in args.rerun and run.get("commit") != CODE["commit"])
@@ -160,6 +166,11 @@ def kept_runs(args: argparse.Namespace, runs: list[dict[str, Any]]) -> list[dict
                 or (run["system"] in args.rerun_piece and _read_piece(run)))
 
     return [run for run in runs if not (in_grid(run) and to_rerun(run))]
+
+
+def seeds(args: argparse.Namespace) -> range:
+    """The seeds of the grid's samples."""
+    return range(args.first_seed, args.first_seed + args.samples)
 
 
 def _runs(args: argparse.Namespace, task: str, system: str, length: int) -> bool:
@@ -329,7 +340,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
     if args.quick:
         return ["--quick", *name]
     return [*name, "--tasks", *args.tasks, "--systems", *args.systems, "--lengths", *map(str, args.lengths),
-            "--samples", str(args.samples), "--full-max", str(args.full_max), *(["--resume"] if args.resume else []),
+            "--samples", str(args.samples), *(["--first-seed", str(args.first_seed)] if args.first_seed else []),
+            "--full-max", str(args.full_max), *(["--resume"] if args.resume else []),
             *(["--merge", *args.merge] if args.merge else []), *(["--rerun", *args.rerun] if args.rerun else []),
             *(["--rerun-empty", *args.rerun_empty] if args.rerun_empty else []),
             *(["--rerun-piece", *args.rerun_piece] if args.rerun_piece else [])]

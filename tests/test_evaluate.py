@@ -29,6 +29,7 @@ from evalkit.systems import (  # noqa: E402
 from engramkv import EngineConfig, Theta  # noqa: E402
 from engramkv.config import SegmentationConfig, WindowConfig  # noqa: E402
 from engramkv.retrieval.question import RecallPlan  # noqa: E402
+from engramkv.tasks import CALIBRATION_SEEDS  # noqa: E402
 from engramkv.tasks import TASKS, Sample  # noqa: E402
 
 
@@ -87,6 +88,19 @@ def test_a_rerun_narrowed_to_some_tasks_keeps_the_runs_outside_them():
     assert evaluate.kept_runs(args, runs) == runs[1:]  # only kv 4k seeds 0-1 of engram-chat run again
     with pytest.raises(SystemExit, match="not in --systems"):
         evaluate.main(["--systems", "rag", "--resume", "--rerun", "engram-chat"])
+
+
+def test_first_seed_moves_the_grid_to_fresh_questions_and_keeps_below_the_calibrations_seeds():
+    evaluate = passkey_preset.evaluate
+    argv = ["--tasks", "kv", "--systems", "engram-chat", "--lengths", "4096", "--samples", "2", "--first-seed", "20"]
+    args = evaluate.build_parser().parse_args([*argv, "--resume", "--rerun", "engram-chat"])
+    assert list(evaluate.seeds(args)) == [20, 21]
+    assert evaluate._argv(evaluate.build_parser().parse_args(argv))[-5:-2] == ["2", "--first-seed", "20"]
+    old = {"task": "kv", "system": "engram-chat", "length": 4096, "reply": "x", "theta": None, "commit": "0" * 40}
+    runs = [{**old, "seed": seed} for seed in (0, 20, 21, 22)]
+    assert evaluate.kept_runs(args, runs) == [runs[0], runs[3]]  # only seeds 20-21 are this grid's
+    with pytest.raises(SystemExit, match="below the calibration"):
+        evaluate.main([*argv[:-1], str(CALIBRATION_SEEDS - 1)])
 
 
 def test_passkey_sample_is_the_passkey_task_at_a_given_depth():
