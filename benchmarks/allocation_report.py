@@ -8,7 +8,8 @@ e.g. `--name allocation_a` and `--name allocation_b`); this merges their runs an
   samples the issue asks for (20 at 4k-16k, 10 at 32k) marked;
 - the allocation model against the best fixed theta and the fixed default, pooled over tasks per length:
   mean score and mean answer context, the paired difference on the same samples (95% bootstrap interval)
-  and the samples better / worse (two-sided sign test), on both prompt paths;
+  and the samples better / worse (two-sided sign test), on both prompt paths; rows of several lengths
+  resample and count questions (a task's seed asks the same question at every length);
 - against RAG per task and length, with the recall-versus-reading split (the share of expected answers
   that were in the events the answer read);
 - chat-path parity: the chat path's mean over the benchmark prompt's, per task and length and per task over
@@ -86,15 +87,23 @@ def _cell(scores: list[float], length: int) -> str:
 
 
 def _paired(a: dict[Key, dict[str, Any]], b: dict[Key, dict[str, Any]], keys: list[Key]) -> str:
-    """'+diff (lo to hi); better / worse (p)' of a against b over the keys both answered."""
+    """'+diff (lo to hi); better / worse (p)' of a against b over the keys both answered. Keys of several lengths
+    count by question (task and seed: the same needles and answers at every length, kv's aside), since one
+    question asked four times is not four samples: the bootstrap resamples questions and the sign test counts
+    the questions a answered better / worse over their lengths together."""
     both = [k for k in keys if k in a and k in b]
     if not both:
         return "-"
     x, y = [a[k]["score"] for k in both], [b[k]["score"] for k in both]
-    lo, hi = paired_bootstrap(x, y)
-    better = sum(p > q for p, q in zip(x, y))
-    worse = sum(p < q for p, q in zip(x, y))
-    return (f"{(sum(x) - sum(y)) / len(both):+.3f} ({lo:+.3f} to {hi:+.3f}; n {len(both)}); "
+    questions = [(k[0], k[2]) for k in both]
+    pooled = len({k[1] for k in both}) > 1
+    lo, hi = paired_bootstrap(x, y, clusters=questions if pooled else None)
+    net: dict[tuple[str, int], float] = defaultdict(float)
+    for question, p, q in zip(questions if pooled else range(len(both)), x, y):
+        net[question] += p - q
+    better, worse = sum(d > 0 for d in net.values()), sum(d < 0 for d in net.values())
+    unit = f", {len(net)} questions" if pooled else ""
+    return (f"{(sum(x) - sum(y)) / len(both):+.3f} ({lo:+.3f} to {hi:+.3f}; n {len(both)}{unit}); "
             f"{better} / {worse} (p {sign_test(better, worse):.3f})")
 
 
@@ -140,8 +149,10 @@ def _against_fixed(by: dict[str, dict[Key, dict[str, Any]]], lengths: list[int])
     """engram-alloc against engram-best (the best fixed theta) and the fixed default, per path and length."""
     lines = ["", "## The allocation model against fixed thetas (all tasks pooled)", "",
              "Paired on the samples both systems answered: the mean difference (95% bootstrap interval), and "
-             "the samples answered better / worse (two-sided sign test). Target: the model >= the best fixed "
-             "theta at no more mean context (`all`: every length together, the held-out mean).", "",
+             "the samples answered better / worse (two-sided sign test); a row of several lengths counts "
+             "questions (a task's seed: the same needles at every length), not samples, in both. Target: the "
+             "model >= the best fixed theta at no more mean context (`all`: every length together, the held-out "
+             "mean).", "",
              "| path | length | system | mean score (n) | mean context | model against it |", "|---|---|---|---|---|---|"]
     for path in ("", "-chat"):
         model = by.get(f"engram-alloc{path}", {})
@@ -192,8 +203,10 @@ def _parity(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], lengths:
              f"The chat path's mean score over the benchmark prompt's on the same samples (target >= {PARITY}; "
              "`-`: both 0), per task and length and per task over all lengths (`all`), with chat's paired "
              "difference from the prompt path (95% bootstrap interval) and the samples chat answered better / "
-             "worse (two-sided sign test).", "",
-             "| task | length | system | prompt | chat | ratio | chat against prompt |", "|---|---|---|---|---|---|---|"]
+             "worse (two-sided sign test); in `all` rows the unit of both is the question (a task's seed: the "
+             "same needles at every length), since one question asked at four lengths is not four samples.", "",
+             "| task | length | system | prompt | chat | ratio | chat against prompt |",
+             "|---|---|---|---|---|---|---|"]
     for system in ("engram-alloc", "engram-best", "engram"):
         prompt, chat = by.get(system, {}), by.get(f"{system}-chat", {})
         for task in tasks:

@@ -72,3 +72,27 @@ def test_the_held_out_mean_pools_every_length(tmp_path):
     assert "| prompt | 8,192 | engram-best | 0.000 (4) | 300 | +1.000 (" in md
     assert "| prompt | all | engram-best | 0.500 (8) | 300 | +0.500 (" in md  # both lengths' samples
     assert "| prompt | all | engram-alloc | 1.000 (8) | 300 | - |" in md
+
+
+def test_a_row_of_several_lengths_counts_questions_not_samples(tmp_path):
+    # 10 questions (seeds) at two lengths: chat loses question 0 at both lengths and wins question 1 at one.
+    runs = [_run("passkey", "engram-alloc", s, 1.0, length=n) for s in range(10) for n in (4096, 8192)]
+    runs += [_run("passkey", "engram-alloc-chat", s, 0.0 if s == 0 else 1.0, length=n) for s in range(10)
+             for n in (4096, 8192)]
+    runs[1]["score"] = runs[2]["score"] = 0.0  # seed 0 at 8k and seed 1 at 4k: the prompt path misses
+    _write(tmp_path, "a", runs)
+    allocation_report.main(["--dir", str(tmp_path), "--names", "a", "--name", "out"])
+    md = (tmp_path / "out.md").read_text()
+    # seed 0: chat -1 at 4k, 0 at 8k (both missed); seed 1: chat +1 at 4k: one question each way
+    assert "| passkey | all | engram-alloc | 0.90 (20) | 0.90 | 1.00 | +0.000 (" in md
+    assert "; n 20, 10 questions); 1 / 1 (p 1.000) |" in md
+    assert "; n 10); 1 / 1 (p 1.000) |" in md  # one length: samples are the unit
+
+
+def test_the_clustered_bootstrap_is_wider_where_clusters_repeat_one_outcome():
+    a, b = [1.0] * 8 + [0.0] * 8, [0.0] * 16  # two clusters of 8 identical pairs and 8 of none: (1, 0) per pair
+    clusters = [0] * 8 + [1] * 8
+    assert paired_bootstrap(a, b, clusters=clusters) == (0.0, 1.0)  # two questions: either may be drawn twice
+    lo, hi = paired_bootstrap(a, b)
+    assert 0.2 < lo < 0.5 < hi < 0.8  # sixteen independent pairs
+    assert paired_bootstrap(a, b, clusters=list(range(16))) != (0.0, 1.0)

@@ -14,11 +14,25 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, (centre - half) / scale), min(1.0, (centre + half) / scale)
 
 
-def paired_bootstrap(a: list[float], b: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """95% interval of mean(a - b) over pairs, by resampling the pairs with replacement."""
+def paired_bootstrap(a: list[float], b: list[float], resamples: int = 10_000, seed: int = 0,
+                     clusters: list[object] | None = None) -> tuple[float, float]:
+    """95% interval of mean(a - b) over pairs, by resampling the pairs with replacement; with `clusters` (a
+    label per pair), by resampling whole clusters, since pairs that share one (the same question asked at
+    several lengths) are not independent."""
     diff = [x - y for x, y in zip(a, b, strict=True)]
     rng = random.Random(seed)
-    means = sorted(sum(rng.choices(diff, k=len(diff))) / len(diff) for _ in range(resamples))
+    if clusters is None:
+        means = sorted(sum(rng.choices(diff, k=len(diff))) / len(diff) for _ in range(resamples))
+        return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    groups: dict[object, list[float]] = {}
+    for label, d in zip(clusters, diff, strict=True):
+        groups.setdefault(label, []).append(d)
+    sums = [(sum(g), len(g)) for g in groups.values()]
+    means = []
+    for _ in range(resamples):
+        drawn = rng.choices(sums, k=len(sums))
+        means.append(sum(s for s, _ in drawn) / sum(n for _, n in drawn))
+    means.sort()
     return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
