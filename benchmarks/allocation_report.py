@@ -19,6 +19,7 @@ It reads result files only (no model): run it after each resume.
 
     python benchmarks/allocation_report.py                       # allocation_a + allocation_b
     python benchmarks/allocation_report.py --names allocation_a  # one of them
+    python benchmarks/allocation_report.py --names allocation_b parity_fresh_a --tasks niah-multiquery --name mq
 """
 
 from __future__ import annotations
@@ -44,11 +45,14 @@ def main(argv: list[str] | None = None) -> None:
                         "allocation_b)")
     parser.add_argument("--dir", type=Path, default=RESULTS / "evaluate")
     parser.add_argument("--name", default="allocation", help="the report's file name (default allocation)")
+    parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
+                        help="only these tasks' runs (default: all)")
     args = parser.parse_args(argv)
     names = args.names or ["allocation_a", "allocation_b"]
     runs, sources = load(args.dir, names)
+    runs = [r for r in runs if args.tasks is None or r["task"] in args.tasks]
     if not runs:
-        raise SystemExit(f"no runs in {', '.join(names)}")
+        raise SystemExit(f"no runs in {', '.join(names)}" + (f" of {', '.join(args.tasks)}" if args.tasks else ""))
     lines = report(runs, sources)
     write_results(args.dir, args.name, {"sources": sources, "summary": summary(runs)}, "\n".join(lines) + "\n",
                   {"sources": sources})
@@ -182,6 +186,8 @@ def _against_rag(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], len
              "| task | length | engram-alloc | recalled | read | rag | alloc against rag |",
              "|---|---|---|---|---|---|---|"]
     model, rag = by.get("engram-alloc", {}), by.get("rag", {})
+    if not model or not rag:
+        return []
     for task in tasks:
         for length in lengths:
             keys = sorted(k for k in model if k[0] == task and k[1] == length)

@@ -96,3 +96,15 @@ def test_the_clustered_bootstrap_is_wider_where_clusters_repeat_one_outcome():
     lo, hi = paired_bootstrap(a, b)
     assert 0.2 < lo < 0.5 < hi < 0.8  # sixteen independent pairs
     assert paired_bootstrap(a, b, clusters=list(range(16))) != (0.0, 1.0)
+
+
+def test_tasks_narrow_the_report_and_a_grid_without_rag_has_no_rag_section(tmp_path):
+    runs = [_run(task, system, s, 1.0) for task in ("passkey", "kv") for system in ("engram-alloc", "engram-alloc-chat")
+            for s in range(3)]
+    _write(tmp_path, "a", runs)
+    allocation_report.main(["--dir", str(tmp_path), "--names", "a", "--name", "out", "--tasks", "passkey"])
+    md = (tmp_path / "out.md").read_text()
+    assert "| passkey | 4,096 | engram-alloc |" in md and "| kv |" not in md
+    assert "Against RAG" not in md
+    with pytest.raises(SystemExit, match="no runs in a of facts"):
+        allocation_report.main(["--dir", str(tmp_path), "--names", "a", "--tasks", "facts"])
