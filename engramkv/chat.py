@@ -14,6 +14,8 @@ is known exactly.
 
 With `GenerationConfig.answer_start` "echo", a question of the form "What is/are X?" has its answer begun
 for the model as "X is/are" (`echo`), the way a benchmark prompt begins it; the reply includes that start.
+"list" begins the answer to a plural "What are X?" as a bulleted list ("X are:", a blank line, "*"), since
+a several-item answer written on one line tends to name one item.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def encode_prompt(tokenizer: Any, prompt: str, question: str | None) -> tuple[li
 
 def chat_turn(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str]], message: str) -> Turn:
     """The token ids of a user turn after `history`, in `cfg.chat_format`."""
-    start = echo(message) if cfg.answer_start == "echo" else None
+    start = echo(message) if cfg.answer_start in ("echo", "list") else None
+    if start is not None and cfg.answer_start == "list" and start.endswith(" are"):
+        start += LIST_OPENER
     if cfg.chat_format == "qa":
         reply_start = "" if start is None else " " + start
         ids, span = encode_around(tokenizer, "\n\nQuestion:", " " + message.strip(), "\nAnswer:")
@@ -78,6 +82,7 @@ def chat_turn(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str
     return Turn(encode(tokenizer, preamble), ids + encode(tokenizer, reply_start), span, None, reply_start)
 
 
+LIST_OPENER = ":\n\n*"  # after "X are": the reply's stop text (a blank line) does not end it after a colon
 _WHAT = re.compile(r"(?i)^\s*what(?:\s+(is|are)\s+|'s\s+)(?:all\s+(?:of\s+)?)?(.+?)\s*\?\s*$", re.DOTALL)
 # A last word that makes "X is" wrong English ("What is it called?", "What is the weather like?")
 _NOT_A_SUBJECT_END = {"about", "at", "called", "do", "doing", "does", "for", "from", "going", "happening", "in",

@@ -60,3 +60,23 @@ def test_a_chat_reply_begins_with_the_echo_and_the_stream_reads_it_once():
     assert len(reply.removeprefix(" The pass key is").split()) == 3  # the echo does not use up the reply's tokens
     turn = len(IntTokenizer().encode("Question: What is the pass key? Answer: The pass key is"))
     assert session.tokens_ingested == before + turn + 3
+
+
+@pytest.mark.parametrize("chat_format, lead", [("qa", " "), ("template", "")])
+def test_list_begins_a_plural_answer_as_a_bulleted_list_and_echoes_a_singular_one(chat_format, lead):
+    cfg = GenerationConfig(chat_format=chat_format, answer_start="list")
+    plural = chat.chat_turn(IntTokenizer(), cfg, [], "What are the pass keys of the two doors?")
+    assert plural.reply_start == lead + "The pass keys of the two doors are:\n\n*"
+    assert chat.chat_turn(IntTokenizer(), cfg, [], "What is the pass key?").reply_start == lead + "The pass key is"
+    assert chat.chat_turn(IntTokenizer(), cfg, [], "Which doors are locked?").reply_start == ""
+
+
+def test_a_listed_reply_ends_at_the_blank_line_after_its_items():
+    # The list's own blank line is in the answer start, not in what the model writes; the stop text ends
+    # the reply at the first blank line the model writes after some text.
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    written = map(ord, " 1\n* 2\n\nQuestion: 3")
+    assert "".join(chat.stream_text(Chars(), written, "\n\n")) == " 1\n* 2"
