@@ -213,8 +213,10 @@ def _parity(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], lengths:
              "same needles at every length), since one question asked at four lengths is not four samples.", "",
              "| task | length | system | prompt | chat | ratio | chat against prompt |",
              "|---|---|---|---|---|---|---|"]
-    for system in ("engram-alloc", "engram-best", "engram"):
-        prompt, chat = by.get(system, {}), by.get(f"{system}-chat", {})
+    # engram-alloc-list (a candidate answer start) differs from engram-alloc only through chat
+    for system, chat_system in (("engram-alloc", "engram-alloc-chat"), ("engram-alloc", "engram-alloc-list-chat"),
+                                ("engram-best", "engram-best-chat"), ("engram", "engram-chat")):
+        prompt, chat = by.get(system, {}), by.get(chat_system, {})
         for task in tasks:
             for length in [*lengths, None]:  # None: every length of the task together
                 keys = sorted(k for k in prompt if k in chat and k[0] == task and length in (None, k[1]))
@@ -224,7 +226,8 @@ def _parity(by: dict[str, dict[Key, dict[str, Any]]], tasks: list[str], lengths:
                 ratio = "-" if p == 0 and c == 0 else ("inf" if p == 0 else f"{c / p:.2f}")
                 flag = " (below)" if p > 0 and c / p < PARITY else ""
                 where = "all" if length is None else f"{length:,}"
-                lines.append(f"| {task} | {where} | {system} | {p:.2f} ({len(keys)}) | {c:.2f} | {ratio}{flag} | "
+                label = system if chat_system == f"{system}-chat" else f"{system} ({chat_system})"
+                lines.append(f"| {task} | {where} | {label} | {p:.2f} ({len(keys)}) | {c:.2f} | {ratio}{flag} | "
                              f"{_paired(chat, prompt, keys)} |")
     return lines
 

@@ -108,3 +108,12 @@ def test_tasks_narrow_the_report_and_a_grid_without_rag_has_no_rag_section(tmp_p
     assert "Against RAG" not in md
     with pytest.raises(SystemExit, match="no runs in a of facts"):
         allocation_report.main(["--dir", str(tmp_path), "--names", "a", "--tasks", "facts"])
+
+
+def test_the_list_candidate_is_paired_with_the_models_prompt_answers(tmp_path):
+    runs = [_run("niah-multiquery", "engram-alloc", s, 1.0) for s in range(4)]
+    runs += [_run("niah-multiquery", "engram-alloc-list-chat", s, 1.0 if s else 0.0) for s in range(4)]
+    _write(tmp_path, "a", runs)
+    allocation_report.main(["--dir", str(tmp_path), "--names", "a", "--name", "out"])
+    md = (tmp_path / "out.md").read_text()
+    assert "| niah-multiquery | 4,096 | engram-alloc (engram-alloc-list-chat) | 1.00 (4) | 0.75 | 0.75 (below) |" in md

@@ -27,6 +27,8 @@ Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --
                           the same two under a candidate calibration not shipped
                           (benchmarks/results/calibration/candidate.coefficients.json): judged on the grid
                           before it replaces the shipped one (`relabel.py` then moves their runs)
+  engram-alloc-list-chat  engram-alloc-chat with a plural "What are X?" answered as a bulleted list
+                          (generation.answer_start "list"), judged on the grid before it is the default
   engram-chat / engram-alloc-chat / engram-best-chat (and the candidates' -chat)
                           the same, the question asked as a user asks it (`Session.chat`, what
                           `engramkv ask` and the TUI do) instead of with the benchmark's prompt
@@ -443,11 +445,17 @@ ALLOCATION = EngineConfig().with_allocation_mode("model")
 CANDIDATE_COEFFICIENTS = Path(__file__).resolve().parents[1] / "results" / "calibration" / "candidate.coefficients.json"
 CANDIDATE = ALLOCATION.model_copy(update={"allocation": ALLOCATION.allocation.model_copy(
     update={"coefficients": str(CANDIDATE_COEFFICIENTS)})})
+# engram-alloc with a plural "What are X?" answered as a bulleted list (generation.answer_start "list"), judged
+# on the grid before it becomes the default; only its -chat differs (the benchmark prompt begins its own answer).
+LIST_ANSWER = ALLOCATION.model_copy(update={"generation": ALLOCATION.generation.model_copy(
+    update={"answer_start": "list"})})
 # Systems that differ from engram only at question time: one ingest per sample serves them all. "-chat": the
 # question asked as a user asks it (Session.chat); without: the benchmark's own prompt (Session.generate).
 QUESTION_TIME = {"engram": "fixed", "engram-alloc": "model", "engram-best": "best",
-                 "engram-alloc-candidate": "candidate", "engram-best-candidate": "best-candidate"}
-CONFIGS = {"fixed": FIXED, "best": FIXED, "model": ALLOCATION, "candidate": CANDIDATE, "best-candidate": FIXED}
+                 "engram-alloc-candidate": "candidate", "engram-best-candidate": "best-candidate",
+                 "engram-alloc-list": "list"}
+CONFIGS = {"fixed": FIXED, "best": FIXED, "model": ALLOCATION, "candidate": CANDIDATE, "best-candidate": FIXED,
+           "list": LIST_ANSWER}
 
 
 def _question_time_system(kind: str, chat_path: bool) -> SystemFn:
@@ -466,11 +474,11 @@ for _name, _kind in QUESTION_TIME.items():
     SYSTEMS[f"{_name}-chat"] = _question_time_system(_kind, chat_path=True)
 OPTIONAL_SYSTEMS = ("full-around-fact", "engram-before-question", "engram-fixed", *(s for s in VARIANTS if s.startswith("engram-store-")),
                     *(s for s in SYSTEMS if s.endswith("-chat") or s.endswith("-candidate")
-                      or s in ("engram-alloc", "engram-best")))
+                      or s in ("engram-alloc", "engram-best", "engram-alloc-list")))
 DEFAULT_SYSTEMS = [name for name in SYSTEMS if name not in OPTIONAL_SYSTEMS]
 # The allocation grid of issue 17: the engram systems on both prompt paths against RAG and full attention.
 ALLOCATION_SYSTEMS = ["full", "full-around-fact", "rag",
-                      *(f"{n}{path}" for n in QUESTION_TIME if not n.endswith("-candidate") for path in ("", "-chat"))]
+                      *(f"{n}{path}" for n in ("engram", "engram-alloc", "engram-best") for path in ("", "-chat"))]
 
 
 def system_config(name: str) -> Any:
@@ -482,6 +490,7 @@ def system_config(name: str) -> Any:
                  "model": "the allocation model's choice (shipped coefficients)",
                  "candidate": f"the allocation model's choice ({CANDIDATE_COEFFICIENTS.name}, not shipped)",
                  "best-candidate": f"the best fixed theta of {CANDIDATE_COEFFICIENTS.name} (not shipped)",
+                 "list": "the allocation model's choice (shipped coefficients); generation.answer_start 'list'",
                  "fixed": "the fixed default"}[kind]
         return {"engine": CONFIGS[kind].model_dump(mode="json"), "asked_with": path, "theta": theta,
                 "ingest": "one in-RAM stream per sample, shared by the question-time systems (Session.fork)"}
