@@ -14,8 +14,9 @@ is known exactly.
 
 With `GenerationConfig.answer_start` "echo", a question of the form "What is/are X?" has its answer begun
 for the model as "X is/are" (`echo`), the way a benchmark prompt begins it; the reply includes that start.
-"list" (the default) also begins the answer to a plural "What are X?" as a bulleted list ("X are:", a blank
-line, "*"), since a several-item answer written on one line tends to name one item.
+"list" also begins the answer to a plural "What are X?" as a bulleted list ("X are:", a blank line, "*"),
+where a several-item answer written on one line tends to name one item; not the default, since the
+embedded model then repeats list items and copies the list form into later answers.
 """
 
 from __future__ import annotations

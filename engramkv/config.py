@@ -261,11 +261,11 @@ class GenerationConfig(_Strict):
         "How `chat` renders a turn. 'qa': 'Question: ...\nAnswer:', the reply ending at a blank line (not one "
         "after a colon). 'template': the model's chat template. Measured on the embedded 135M model: under its "
         "template it answers from its own weights and ignores recalled events that it uses in the 'qa' form."))
-    answer_start: Literal["none", "echo", "list"] = Field(default="list", description=(
+    answer_start: Literal["none", "echo", "list"] = Field(default="echo", description=(
         "'echo': `chat` begins the answer to 'What is/are X?' as 'X is/are' (in the answerer's person), as a "
         "benchmark prompt does, and the reply includes it. 'list': the same, and a plural 'What are X?' is "
-        "answered as a bulleted list ('X are:', a blank line, '*'), where the embedded model otherwise often "
-        "names one item of several. 'none': the model writes the whole answer."))
+        "answered as a bulleted list ('X are:', a blank line, '*'): more list questions scored, but the embedded "
+        "model repeats items and later turns copy the form. 'none': the model writes the whole answer."))
 
 
 class IndexConfig(_Strict):
