@@ -28,7 +28,7 @@ Optional (not in the default grid; `evaluate.py --systems ...` or `passkey.py --
                           (benchmarks/results/calibration/candidate.coefficients.json): judged on the grid
                           before it replaces the shipped one (`relabel.py` then moves their runs)
   engram-alloc-list-chat  engram-alloc-chat with a plural "What are X?" answered as a bulleted list
-                          (generation.answer_start "list"), judged on the grid before it is the default
+                          (generation.answer_start "list", not the default: benchmarks/README.md)
   engram-chat / engram-alloc-chat / engram-best-chat (and the candidates' -chat)
                           the same, the question asked as a user asks it (`Session.chat`, what
                           `engramkv ask` and the TUI do) instead of with the benchmark's prompt
@@ -445,8 +445,8 @@ ALLOCATION = EngineConfig().with_allocation_mode("model")
 CANDIDATE_COEFFICIENTS = Path(__file__).resolve().parents[1] / "results" / "calibration" / "candidate.coefficients.json"
 CANDIDATE = ALLOCATION.model_copy(update={"allocation": ALLOCATION.allocation.model_copy(
     update={"coefficients": str(CANDIDATE_COEFFICIENTS)})})
-# engram-alloc with a plural "What are X?" answered as a bulleted list (generation.answer_start "list"), judged
-# on the grid before it becomes the default; only its -chat differs (the benchmark prompt begins its own answer).
+# engram-alloc with a plural "What are X?" answered as a bulleted list (generation.answer_start "list", opt-in);
+# only its -chat differs (the benchmark prompt begins its own answer).
 LIST_ANSWER = ALLOCATION.model_copy(update={"generation": ALLOCATION.generation.model_copy(
     update={"answer_start": "list"})})
 # Systems that differ from engram only at question time: one ingest per sample serves them all. "-chat": the
