@@ -99,12 +99,12 @@ def _paired(a: dict[Key, dict[str, Any]], b: dict[Key, dict[str, Any]], keys: li
     if not both:
         return "-"
     x, y = [a[k]["score"] for k in both], [b[k]["score"] for k in both]
-    questions = [(k[0], k[2]) for k in both]
     pooled = len({k[1] for k in both}) > 1
-    lo, hi = paired_bootstrap(x, y, clusters=questions if pooled else None)
-    net: dict[tuple[str, int], float] = defaultdict(float)
-    for question, p, q in zip(questions if pooled else range(len(both)), x, y):
-        net[question] += p - q
+    units: list[object] = [(k[0], k[2]) for k in both] if pooled else list(range(len(both)))  # question or sample
+    lo, hi = paired_bootstrap(x, y, clusters=units if pooled else None)
+    net: dict[object, float] = defaultdict(float)
+    for unit, p, q in zip(units, x, y):
+        net[unit] += p - q
     better, worse = sum(d > 0 for d in net.values()), sum(d < 0 for d in net.values())
     unit = f", {len(net)} questions" if pooled else ""
     return (f"{(sum(x) - sum(y)) / len(both):+.3f} ({lo:+.3f} to {hi:+.3f}; n {len(both)}{unit}); "

@@ -22,16 +22,14 @@ def paired_bootstrap(a: list[float], b: list[float], resamples: int = 10_000, se
     diff = [x - y for x, y in zip(a, b, strict=True)]
     rng = random.Random(seed)
     if clusters is None:
-        means = sorted(sum(rng.choices(diff, k=len(diff))) / len(diff) for _ in range(resamples))
-        return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
-    groups: dict[object, list[float]] = {}
-    for label, d in zip(clusters, diff, strict=True):
-        groups.setdefault(label, []).append(d)
-    sums = [(sum(g), len(g)) for g in groups.values()]
-    means = []
-    for _ in range(resamples):
-        drawn = rng.choices(sums, k=len(sums))
-        means.append(sum(s for s, _ in drawn) / sum(n for _, n in drawn))
+        means = [sum(rng.choices(diff, k=len(diff))) / len(diff) for _ in range(resamples)]
+    else:
+        groups: dict[object, list[float]] = {}
+        for label, d in zip(clusters, diff, strict=True):
+            groups.setdefault(label, []).append(d)
+        sums = [(sum(g), len(g)) for g in groups.values()]
+        drawn = (rng.choices(sums, k=len(sums)) for _ in range(resamples))
+        means = [sum(s for s, _ in draw) / sum(n for _, n in draw) for draw in drawn]
     means.sort()
     return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
