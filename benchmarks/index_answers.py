@@ -25,7 +25,8 @@ from _common import CODE, RESULTS, write_results
 from engramkv import EngineConfig
 from engramkv.config import ModelConfig
 from engramkv.hf import load_pretrained
-from engramkv.tasks import TASKS, cut_repeats
+from engramkv.chat import cut_repeats
+from engramkv.tasks import TASKS
 from evalkit.stats import wilson
 from evalkit.systems import Models, RssSampler, _engram_answer
 

@@ -17,12 +17,15 @@ for the model as "X is/are" (`echo`), the way a benchmark prompt begins it; the 
 "list" also begins the answer to a plural "What are X?" as a bulleted list ("X are:", a blank line, "*"),
 where a several-item answer written on one line tends to name one item; not the default, since the
 embedded model then repeats list items and copies the list form into later answers.
+
+A reply ends before a sentence or line that comes back for the `GenerationConfig.repeat_stop`-th time
+(`until_repeat`), the cut the evaluation's scorer makes (`cut_repeats`), so a reply reads as it is scored.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +145,68 @@ def stream_text(tokenizer: Any, tokens: Iterator[int], stop_text: str | None = N
         if len(text) > len(emitted):
             yield text[len(emitted) :]
             emitted = text
+
+
+_SENTENCE = re.compile(r"[^.!?\n]*[.!?\n]+|[^.!?\n]+$")  # a sentence or a line, with its end marks
+
+
+def cut_repeats(reply: str, times: int = 3) -> str:
+    """The reply up to where a sentence comes back for the `times`-th time (a degenerate reply: "The pass
+    key is the pass key." eight times over), or all of it."""
+    seen: dict[str, int] = {}
+    at = 0
+    for piece in _SENTENCE.finditer(reply):
+        sentence = piece.group().strip()
+        if sentence:
+            seen[sentence] = seen.get(sentence, 0) + 1
+            if seen[sentence] == times:
+                return reply[:at].rstrip()
+        at = piece.end()
+    return reply
+
+
+def until_repeat(pieces: Iterable[str], times: int, before: str = "") -> Iterator[str]:
+    """The `pieces` of a reply that begins with `before` (given already, not yielded again), ended as
+    `cut_repeats` cuts the whole reply, so that a caller who scores the reply sees the same text. A finished
+    sentence cannot change, so it is counted as soon as its end mark arrives; the unfinished rest is held back
+    only while it could still become the repeat."""
+    text, emitted, counted = before, len(before), 0  # counted: where the sentences not yet counted begin
+    seen: dict[str, int] = {}
+
+    def repeat(piece: re.Match[str]) -> bool:
+        sentence = piece.group().strip()
+        if sentence:
+            seen[sentence] = seen.get(sentence, 0) + 1
+        return bool(sentence) and seen[sentence] == times
+
+    for new in pieces:
+        text += new
+        for piece in _SENTENCE.finditer(text, counted):
+            if piece.group()[-1] not in ".!?\n":  # unfinished: it may still grow
+                break
+            if repeat(piece):
+                yield text[emitted : max(emitted, len(text[: piece.start()].rstrip()))]
+                return
+            counted = piece.end()
+        rest = text[counted:].strip()
+        could_repeat = any(n == times - 1 and sentence.startswith(rest) for sentence, n in seen.items())
+        shown = counted if could_repeat else len(text)
+        if shown > emitted:
+            yield text[emitted:shown]
+            emitted = shown
+    last = _SENTENCE.match(text, counted)
+    if last is not None and repeat(last):
+        text = text[: max(emitted, len(text[: last.start()].rstrip()))]
+    if len(text) > emitted:
+        yield text[emitted:]
+
+
+def reply_text(tokenizer: Any, tokens: Iterator[int], stop_text: str | None, repeat_stop: int,
+               reply_start: str = "") -> Iterator[str]:
+    """The decoded pieces of a reply begun with `reply_start`: `stream_text`, then `until_repeat` unless
+    `repeat_stop` is 0."""
+    pieces = stream_text(tokenizer, tokens, stop_text)
+    return until_repeat(pieces, repeat_stop, reply_start) if repeat_stop else pieces
 
 
 def sample(logits: torch.Tensor | None, decode: Callable[[int], torch.Tensor], limit: int, stop: set[int],

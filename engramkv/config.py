@@ -28,8 +28,7 @@ class ModelConfig(_Strict):
     device: str = "cpu"
     kernels: Literal["auto", "triton", "torch"] = Field(default="auto", description="'auto': the Triton kernels "
                                                         "(`engramkv.kernels`) on CUDA, their PyTorch twins elsewhere.")
-    allow_download: bool = Field(default=False, description="Allow transformers to fetch from the hub; off so "
-                                 "nothing downloads by default.")
+    allow_download: bool = Field(default=False, description="Let transformers fetch from the hub (off: no download).")
     load_progress: bool = Field(default=False, description="Show transformers' progress bars while the weights "
                                 "load; off: the embedded model loads in seconds and every command would draw two.")
 
@@ -257,15 +256,16 @@ class GenerationConfig(_Strict):
                                 "masked until then): 1, the model cannot end its turn at once (an empty reply).")
     temperature: float = Field(default=0.0, ge=0, description="0 is greedy.")
     seed: int = 0
+    repeat_stop: int = Field(default=3, ge=0, description="A reply ends before a sentence or line that comes back for "
+                             "this many-th time (a degenerate reply; the evaluation's scorer cuts so); 0: never.")
     chat_format: Literal["qa", "template"] = Field(default="qa", description=(
         "How `chat` renders a turn. 'qa': 'Question: ...\nAnswer:', the reply ending at a blank line (not one "
         "after a colon). 'template': the model's chat template. Measured on the embedded 135M model: under its "
         "template it answers from its own weights and ignores recalled events that it uses in the 'qa' form."))
     answer_start: Literal["none", "echo", "list"] = Field(default="echo", description=(
-        "'echo': `chat` begins the answer to 'What is/are X?' as 'X is/are' (in the answerer's person), as a "
-        "benchmark prompt does, and the reply includes it. 'list': the same, and a plural 'What are X?' is "
-        "answered as a bulleted list ('X are:', a blank line, '*'): more list questions scored, but the embedded "
-        "model repeats items and later turns copy the form. 'none': the model writes the whole answer."))
+        "'echo': `chat` begins the answer to 'What is/are X?' as 'X is/are' (in the answerer's person), as a benchmark "
+        "prompt does. 'list': also a plural 'What are X?' as a bulleted list ('X are:', a blank line, '*'): more "
+        "list questions scored, but later turns copy the form. 'none': the model writes the whole answer."))
 
 
 class IndexConfig(_Strict):

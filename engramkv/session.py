@@ -137,10 +137,8 @@ class Session:
 
     # ------------------------------------------------------------------ ingest
     def ingest(self, text: str | Iterable[str], progress: ProgressCallback | None = None) -> IngestReport:
-        """Read `text` (a string, or an iterable of string pieces) into the stream.
-
-        A persistent session commits every `store.commit_tokens` tokens and at the end.
-        """
+        """Read `text` (a string, or an iterable of string pieces) into the stream. A persistent session commits
+        every `store.commit_tokens` tokens and at the end."""
         pieces: Iterable[str] = [text] if isinstance(text, str) else text
         with self._exclusive("ingest"):
             started, tokens_before, events_before = time.perf_counter(), self.state.n_tokens, len(self.memory)
@@ -201,7 +199,7 @@ class Session:
         key? The pass key is"`, `question="What is the pass key?"`. Without it, every layer recalls by
         its own queries. `budget_tokens`: the most context the answer reads (resident window + prompt +
         recalled tokens; default `recall.answer_context_tokens`) and `theta` (the inference parameters), as
-        `chat` takes them.
+        `chat` takes them. Like `chat`'s, the text ends before a sentence's third return (`generation.repeat_stop`).
         """
         ids, span = chat.encode_prompt(self.lm.tokenizer, prompt, question)
         pieces = self._reply(ids, max_new_tokens, question_span=span, budget_tokens=budget_tokens, theta=theta)
@@ -238,7 +236,7 @@ class Session:
             reply.append(turn.reply_start)
             yield turn.reply_start
         for piece in self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text,
-                                 turn.question_span, budget_tokens, theta, allocated):
+                                 turn.question_span, budget_tokens, theta, allocated, turn.reply_start):
             reply.append(piece)
             yield piece
         history = [{"role": "user", "content": message}, {"role": "assistant", "content": "".join(reply)}]
@@ -249,11 +247,13 @@ class Session:
 
     def _reply(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                stop_text: str | None = None, question_span: tuple[int, int] | None = None,
-               budget_tokens: int | None = None, theta: Theta | None = None, allocated: bool = False) -> Iterator[str]:
+               budget_tokens: int | None = None, theta: Theta | None = None, allocated: bool = False,
+               reply_start: str = "") -> Iterator[str]:  # reply_start: the reply's words already in the prompt
         tokens = self._generate(prompt_ids, max_new_tokens, preamble_ids, question_span, budget_tokens, theta,
                                 allocated)
         try:
-            yield from chat.stream_text(self.lm.tokenizer, tokens, stop_text)
+            yield from chat.reply_text(self.lm.tokenizer, tokens, stop_text, self.cfg.generation.repeat_stop,
+                                       reply_start)
         finally:
             tokens.close()  # releases the session even when the caller stops early
 

@@ -17,7 +17,7 @@ prompt (InfiniteBench's and RULER's templates: the question, then the answer beg
 the conversation asks as a next user turn). Asked through chat, a sample's question is typed as a user
 would (`Sample.chat_question`: the question itself, or for kv a sentence around its key). A sample is
 scored by the share of its expected answers that appear in the reply, case ignored as RULER's scorer ignores
-it, the reply cut first where it starts to repeat itself (`match_share`, `cut_repeats`).
+it, the reply cut first where it starts to repeat itself (`match_share`, `chat.cut_repeats`).
 
 Seeds: the evaluation uses 0, 1, 2, ...; calibration starts at `CALIBRATION_SEEDS` so the two never share a
 sample.
@@ -38,6 +38,8 @@ from typing import Any
 from pathlib import Path
 
 import pydoc_data.topics
+
+from engramkv.chat import cut_repeats
 
 
 @dataclass
@@ -76,29 +78,13 @@ class Sample:
 
 REPLY_GLUE_TOKENS = 16  # the words of a reply besides the question it restates and the answers
 CALIBRATION_SEEDS = 100_000  # calibration samples use seeds from here on; the evaluation's stay below
-_SENTENCE = re.compile(r"[^.!?\n]*[.!?\n]+|[^.!?\n]+$")
 
 
 def match_share(answers: list[str], reply: str) -> float:
-    """Share of `answers` in `reply` cut at its first repeat (`cut_repeats`), each matched as RULER's
+    """Share of `answers` in `reply` cut at its first repeat (`chat.cut_repeats`), each matched as RULER's
     `string_match_all` matches: a substring, case ignored ("Blue" answers "blue")."""
     reply = cut_repeats(reply).lower()
     return sum(answer.lower() in reply for answer in answers) / len(answers)
-
-
-def cut_repeats(reply: str, times: int = 3) -> str:
-    """The reply up to where a sentence comes back for the `times`-th time (a degenerate reply: "The pass
-    key is the pass key." eight times over), or all of it."""
-    seen: dict[str, int] = {}
-    at = 0
-    for piece in _SENTENCE.finditer(reply):
-        sentence = piece.group().strip()
-        if sentence:
-            seen[sentence] = seen.get(sentence, 0) + 1
-            if seen[sentence] == times:
-                return reply[:at].rstrip()
-        at = piece.end()
-    return reply
 
 
 Tokenizer = Any

@@ -14,7 +14,8 @@ from engramkv.config import (AllocationConfig, CalibrationConfig, GenerationConf
                              WindowConfig)
 from engramkv.retrieval import allocation
 from engramkv.retrieval.allocation import AllocationModel
-from engramkv.tasks import CALIBRATION_SEEDS, cut_repeats
+from engramkv.chat import cut_repeats
+from engramkv.tasks import CALIBRATION_SEEDS
 
 from conftest import VOCAB, IntTokenizer, tiny_pair
 

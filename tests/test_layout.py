@@ -10,11 +10,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "engramkv"
 # Each layer and the layers it may import (directly). The floors of DESIGN.md:
 # cli/tui -> public API -> lm -> session -> {chat, engine, retrieval, storage} -> memory -> {config, errors, spec};
 # kernels (each with its PyTorch twin) sit under memory, hf, engine and storage; hf is for lm and engine, and for
-# the fits that measure the model itself (calibration, lowrank_fit).
+# the fits that measure the model itself (calibration, lowrank_fit). tasks score a reply cut as chat cuts it.
 ALLOWED = {
     "errors": set(),
     "spec": set(),
-    "tasks": set(),
+    "tasks": {"chat"},
     "config": {"errors"},
     "kernels": {"errors"},
     "memory": {"kernels", "config", "errors", "spec"},

@@ -41,7 +41,7 @@ Every system reads the same token ids: the context pieces and the sample's promp
 then the answer begun, in the benchmark's words), each encoded on its own as a streaming reader
 must; engramkv systems match the prompt's question against memory (`Session.generate(question=)`).
 The reply is cut at the first blank line after some text (not after a colon, which announces a
-list), and at most 64 tokens are generated; it is scored after `tasks.cut_repeats` (a reply that says
+list), and at most 64 tokens are generated; it is scored after `chat.cut_repeats` (a reply that says
 the same sentence a third time is cut there).
 Each run reports ingest tokens/s, time to first token after ingest, decode tokens/s and peak RSS.
 """
