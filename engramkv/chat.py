@@ -201,12 +201,12 @@ def until_repeat(pieces: Iterable[str], times: int, before: str = "") -> Iterato
         yield text[emitted:]
 
 
-def reply_text(tokenizer: Any, tokens: Iterator[int], stop_text: str | None, repeat_stop: int,
+def reply_text(tokenizer: Any, tokens: Iterator[int], stop_text: str | None, repeat_stop: int | None,
                reply_start: str = "") -> Iterator[str]:
     """The decoded pieces of a reply begun with `reply_start`: `stream_text`, then `until_repeat` unless
-    `repeat_stop` is 0."""
+    `repeat_stop` is None."""
     pieces = stream_text(tokenizer, tokens, stop_text)
-    return until_repeat(pieces, repeat_stop, reply_start) if repeat_stop else pieces
+    return pieces if repeat_stop is None else until_repeat(pieces, repeat_stop, reply_start)
 
 
 def sample(logits: torch.Tensor | None, decode: Callable[[int], torch.Tensor], limit: int, stop: set[int],

@@ -256,8 +256,8 @@ class GenerationConfig(_Strict):
                                 "masked until then): 1, the model cannot end its turn at once (an empty reply).")
     temperature: float = Field(default=0.0, ge=0, description="0 is greedy.")
     seed: int = 0
-    repeat_stop: int = Field(default=3, ge=0, description="A reply ends before a sentence or line that comes back for "
-                             "this many-th time (a degenerate reply; the evaluation's scorer cuts so); 0: never.")
+    repeat_stop: int | None = Field(default=3, ge=2, description="A reply ends before a sentence or line that comes "
+                                    "back for this many-th time (a degenerate reply; the scorer cuts so); None: never.")
     chat_format: Literal["qa", "template"] = Field(default="qa", description=(
         "How `chat` renders a turn. 'qa': 'Question: ...\nAnswer:', the reply ending at a blank line (not one "
         "after a colon). 'template': the model's chat template. Measured on the embedded 135M model: under its "

@@ -1,6 +1,8 @@
 """`generation.repeat_stop`: a reply ends where a sentence comes back a third time, as the scorer cuts it."""
 
+import pytest
 from hypothesis import given, settings, strategies as st
+from pydantic import ValidationError
 
 from engramkv import EngineConfig, GenerationConfig
 from engramkv import chat
@@ -25,7 +27,7 @@ def test_a_reply_without_a_repeat_streams_whole_and_unchanged():
     assert list(until_repeat(iter(pieces), 3)) == pieces  # nothing held back at the end of a piece
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=1000, deadline=None)
 @given(st.lists(st.sampled_from(SENTENCES), max_size=24), st.lists(st.integers(1, 400), max_size=12),
        st.sampled_from(["", " The names of your cats are", "* Miso\n* Miso\n"]), st.integers(2, 3))
 def test_the_stream_is_cut_where_the_whole_reply_is_cut(parts, splits, before, times):
@@ -34,7 +36,7 @@ def test_the_stream_is_cut_where_the_whole_reply_is_cut(parts, splits, before, t
     pieces = [reply[a:b] for a, b in zip(cuts, cuts[1:])]
     expected = cut_repeats(before + reply, times)
     got = streamed(pieces, before, times)
-    if len(expected) >= len(before):
+    if len(expected) >= len(before.rstrip()):
         assert got.rstrip() == expected.rstrip()  # at most whitespace shown before the repeat was known
         assert got.startswith(expected)
     else:  # the repeat is in the given start: nothing more is said
@@ -44,15 +46,20 @@ def test_the_stream_is_cut_where_the_whole_reply_is_cut(parts, splits, before, t
 def test_a_session_reply_stops_at_the_repeat(default_lm):
     prompt = "\n\nWrite the word cat five times, each on its own line:\n\ncat\ncat\n"
     replies = {}
-    for stop in (0, 3):
+    for stop in (None, 3):
         session = default_lm.session(EngineConfig(generation=GenerationConfig(repeat_stop=stop, max_new_tokens=40)))
         session.ingest("My name is Ada. I have two cats.")
         replies[stop] = session.generate(prompt)
-    assert replies[0].count("cat") > 3  # the embedded model does loop here, so the cut is exercised
-    assert replies[3].rstrip() == cut_repeats(replies[0]).rstrip() == "cat\ncat"
+    assert replies[None].count("cat") > 3  # the embedded model does loop here, so the cut is exercised
+    assert replies[3].rstrip() == cut_repeats(replies[None]).rstrip() == "cat\ncat"
 
 
 def test_a_chat_reply_counts_its_given_start():
     # the start is yielded by the session before the model's pieces: the cut must count its sentences too
     assert streamed([" Miso.", " Miso.", " Pepper."], before="Miso.") == "Miso. Miso."
     assert chat.cut_repeats("Miso. Miso. Miso. Pepper.") == "Miso. Miso."
+
+
+def test_a_repeat_stop_below_two_is_refused():
+    with pytest.raises(ValidationError):
+        GenerationConfig(repeat_stop=1)  # every first sentence would be "the first return": no reply at all
