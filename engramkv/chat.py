@@ -151,25 +151,17 @@ _SENTENCE = re.compile(r"[^.!?\n]*[.!?\n]+|[^.!?\n]+$")  # a sentence or a line,
 
 
 def cut_repeats(reply: str, times: int = 3) -> str:
-    """The reply up to where a sentence comes back for the `times`-th time (a degenerate reply: "The pass
-    key is the pass key." eight times over), or all of it."""
-    seen: dict[str, int] = {}
-    at = 0
-    for piece in _SENTENCE.finditer(reply):
-        sentence = piece.group().strip()
-        if sentence:
-            seen[sentence] = seen.get(sentence, 0) + 1
-            if seen[sentence] == times:
-                return reply[:at].rstrip()
-        at = piece.end()
-    return reply
+    """The reply up to where a sentence or line comes back for the `times`-th time, without the blank after it (a
+    degenerate reply: "The pass key is the pass key." eight times over), or all of it."""
+    cut = "".join(until_repeat([reply], times))
+    return reply if cut == reply else cut.rstrip()
 
 
 def until_repeat(pieces: Iterable[str], times: int, before: str = "") -> Iterator[str]:
-    """The `pieces` of a reply that begins with `before` (given already, not yielded again), ended as
-    `cut_repeats` cuts the whole reply, so that a caller who scores the reply sees the same text. A finished
-    sentence cannot change, so it is counted as soon as its end mark arrives; the unfinished rest is held back
-    only while it could still become the repeat."""
+    """The `pieces` of a reply that begins with `before` (given already, not yielded again), ended before the
+    sentence or line that comes back for the `times`-th time: however the reply is split into pieces, the same
+    text up to trailing blanks. A finished sentence cannot change, so it is counted as soon as its end mark
+    arrives; the unfinished rest is held back only while it could still become the repeat."""
     text, emitted, counted = before, len(before), 0  # counted: where the sentences not yet counted begin
     seen: dict[str, int] = {}
 

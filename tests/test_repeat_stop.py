@@ -1,5 +1,7 @@
 """`generation.repeat_stop`: a reply ends where a sentence comes back a third time, as the scorer cuts it."""
 
+import re
+
 import pytest
 from hypothesis import given, settings, strategies as st
 from pydantic import ValidationError
@@ -9,6 +11,20 @@ from engramkv import chat
 from engramkv.chat import cut_repeats, until_repeat
 
 SENTENCES = ["The pass key is", " the pass key.", " 12345.", "\n", "* Miso", "* Pepper\n", " Remember it!", " ", "1.5"]
+
+
+def whole_reply_cut(reply: str, times: int) -> str:
+    """The rule written plainly, over a finished reply: the oracle for the streamed cut."""
+    seen: dict[str, int] = {}
+    at = 0
+    for piece in re.finditer(r"[^.!?\n]*[.!?\n]+|[^.!?\n]+$", reply):
+        sentence = piece.group().strip()
+        if sentence:
+            seen[sentence] = seen.get(sentence, 0) + 1
+            if seen[sentence] == times:
+                return reply[:at].rstrip()
+        at = piece.end()
+    return reply
 
 
 def streamed(pieces: list[str], before: str = "", times: int = 3) -> str:
@@ -34,7 +50,8 @@ def test_the_stream_is_cut_where_the_whole_reply_is_cut(parts, splits, before, t
     reply = "".join(parts)
     cuts = sorted({min(c, len(reply)) for c in splits} | {0, len(reply)})
     pieces = [reply[a:b] for a, b in zip(cuts, cuts[1:])]
-    expected = cut_repeats(before + reply, times)
+    expected = whole_reply_cut(before + reply, times)
+    assert cut_repeats(before + reply, times) == expected
     got = streamed(pieces, before, times)
     if len(expected) >= len(before.rstrip()):
         assert got.rstrip() == expected.rstrip()  # at most whitespace shown before the repeat was known
