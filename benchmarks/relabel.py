@@ -6,6 +6,8 @@ of some tasks from other result files into one, renamed (each run keeps its old 
 after dropping the superseded runs of the new names there; the `-chat` twin of every name goes with it.
 The command is added to the file's `commands` and a note to its `relabelled` list, and the file's table is
 written again (`evaluate.save`). The runs stay in the files they came from unless `--remove-moved`.
+`--lengths` limits the move and the drop to some lengths; `NAME=NAME` moves runs without renaming them (cells
+measured again under the answer path of now, in a file of their own, replacing the old cells' runs).
 
     python benchmarks/relabel.py --into allocation_a --source allocation_c allocation_d \\
         --tasks passkey niah-single --rename engram-alloc-no-idoc=engram-alloc --drop engram-alloc \\
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rename", nargs="+", default=[], metavar="OLD=NEW", help="system names (and their -chat)")
     parser.add_argument("--drop", nargs="+", default=[], metavar="SYSTEM",
                         help="systems (and their -chat) whose runs of those tasks in --into are superseded")
+    parser.add_argument("--lengths", nargs="+", type=int, help="only runs of these lengths move or drop (default: all)")
     parser.add_argument("--because", required=True, help="why, for the file's note")
     parser.add_argument("--remove-moved", action="store_true", help="delete the moved runs from the sources")
     parser.add_argument("--out", type=Path, default=OUT)
@@ -39,12 +42,15 @@ def main(argv: list[str] | None = None) -> None:
     dropped = {*args.drop, *(f"{s}-chat" for s in args.drop)}
     tasks = set(args.tasks)
 
+    def chosen(run: dict) -> bool:
+        return run["task"] in tasks and (args.lengths is None or run["length"] in args.lengths)
+
     into = args.out / f"{args.into}.json"
     if not into.exists():
         raise SystemExit(f"{into} does not exist (--into names a results file without .json)")
     model_id = json.loads(into.read_text()).get("model")  # what every source must hold runs of
     runs, commands, notes = previous_runs(into, model_id, must_exist=True)
-    kept = [r for r in runs if not (r["task"] in tasks and r["system"] in dropped)]
+    kept = [r for r in runs if not (chosen(r) and r["system"] in dropped)]
     incoming: dict[tuple, dict] = {}  # a run in two sources (a cell run again elsewhere): the later source's
     remaining: dict[Path, list[dict]] = {}  # a source's runs that stay in it
     for name in args.source:
@@ -52,9 +58,9 @@ def main(argv: list[str] | None = None) -> None:
         source, source_commands, _ = previous_runs(path, model_id, must_exist=True)
         stays = []
         for run in source:
-            if run["task"] in tasks and run["system"] in renames:
-                new = {**run, "system": renames[run["system"]], "relabelled_from": run["system"],
-                       "relabelled_source": name}
+            if chosen(run) and run["system"] in renames:
+                renamed = {"relabelled_from": run["system"]} if renames[run["system"]] != run["system"] else {}
+                new = {**run, "system": renames[run["system"]], **renamed, "relabelled_source": name}
                 incoming[new["task"], new["system"], new["length"], new["seed"]] = new
             else:
                 stays.append(run)
@@ -70,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
             path.write_text(json.dumps({**json.loads(path.read_text()), "runs": stays}, indent=2) + "\n")
     command = " ".join(["python benchmarks/relabel.py", *(argv if argv is not None else sys.argv[1:])])
     commands.append(command)
-    notes["relabelled"] = [*notes.get("relabelled", []), f"{moved} runs of {', '.join(sorted(tasks))} "
+    at = f" at {', '.join(map(str, args.lengths))} tokens" if args.lengths else ""
+    notes["relabelled"] = [*notes.get("relabelled", []), f"{moved} runs of {', '.join(sorted(tasks))}{at} "
                            f"from {', '.join(args.source)}: " + ", ".join(f"{a} -> {b}" for a, b in renames.items())
                            + (f"; runs of {', '.join(sorted(dropped))} dropped" if dropped else "")
                            + f" ({args.because})"]

@@ -77,3 +77,22 @@ def test_a_run_in_two_sources_is_taken_once_from_the_later(tmp_path):
                   "engram-best-candidate=engram-best", "--because", "x", "--out", str(tmp_path)])
     (run,) = json.loads((tmp_path / "into.json").read_text())["runs"]
     assert run["score"] == 1.0 and run["relabelled_source"] == "d"
+
+
+def test_lengths_limit_the_move_and_a_same_name_move_keeps_the_name(tmp_path):
+    old = [{**_run("niah-single", "engram-alloc-chat", 0, 0.0), "length": n} for n in (4096, 16384)]
+    old += [{**_run("niah-single", "engram-alloc", 0, 1.0), "length": 16384}]  # the prompt path: stays
+    _write(tmp_path, "into", old, [])
+    _write(tmp_path, "again", [{**_run("niah-single", "engram-alloc-chat", 0, 1.0), "length": 16384}],
+           ["python benchmarks/evaluate.py --systems engram-alloc-chat"])
+    relabel.main(["--into", "into", "--source", "again", "--tasks", "niah-single", "--lengths", "16384",
+                  "--rename", "engram-alloc-chat=engram-alloc-chat", "--drop", "engram-alloc-chat",
+                  "--because", "the answer start", "--remove-moved", "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "into.json").read_text())
+    runs = {(r["system"], r["length"]): r for r in payload["runs"]}
+    assert runs["engram-alloc-chat", 4096]["score"] == 0.0  # another length: kept
+    moved = runs["engram-alloc-chat", 16384]
+    assert moved["score"] == 1.0 and "relabelled_from" not in moved and moved["relabelled_source"] == "again"
+    assert runs["engram-alloc", 16384]["score"] == 1.0 and len(payload["runs"]) == 3
+    assert payload["relabelled"][0].startswith("1 runs of niah-single at 16384 tokens from again")
+    assert json.loads((tmp_path / "again.json").read_text())["runs"] == []
