@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     renames = dict(_pair(text) for text in args.rename)
-    renames |= {f"{old}-chat": f"{new}-chat" for old, new in renames.items()}
-    dropped = {*args.drop, *(f"{s}-chat" for s in args.drop)}
+    renames |= {f"{old}-chat": f"{new}-chat" for old, new in renames.items() if not old.endswith("-chat")}
+    dropped = {*args.drop, *(f"{s}-chat" for s in args.drop if not s.endswith("-chat"))}  # a -chat name is a twin
     tasks = set(args.tasks)
 
     def chosen(run: dict) -> bool:
