@@ -171,13 +171,16 @@ def until_repeat(pieces: Iterable[str], times: int, before: str = "") -> Iterato
             seen[sentence] = seen.get(sentence, 0) + 1
         return bool(sentence) and seen[sentence] == times
 
+    def before_piece(piece: re.Match[str]) -> int:  # where the reply ends if it ends before `piece`
+        return max(emitted, len(text[: piece.start()].rstrip()))
+
     for new in pieces:
         text += new
         for piece in _SENTENCE.finditer(text, counted):
             if piece.group()[-1] not in ".!?\n":  # unfinished: it may still grow
                 break
             if repeat(piece):
-                yield text[emitted : max(emitted, len(text[: piece.start()].rstrip()))]
+                yield text[emitted : before_piece(piece)]
                 return
             counted = piece.end()
         rest = text[counted:].strip()
@@ -188,7 +191,7 @@ def until_repeat(pieces: Iterable[str], times: int, before: str = "") -> Iterato
             emitted = shown
     last = _SENTENCE.match(text, counted)
     if last is not None and repeat(last):
-        text = text[: max(emitted, len(text[: last.start()].rstrip()))]
+        text = text[: before_piece(last)]
     if len(text) > emitted:
         yield text[emitted:]
 
