@@ -14,6 +14,10 @@ is known exactly.
 
 With `GenerationConfig.answer_start` "echo", a question of the form "What is/are X?" has its answer begun
 for the model as "X is/are" (`echo`), the way a benchmark prompt begins it; the reply includes that start.
+A question for all of something ("What are all X?") is answered as a bulleted list ("X are:", a blank line,
+"*") written on a copy of the stream (`Turn.listed`), where written on one line such an answer tends to name
+one item; its distinct items are then read into the stream as one sentence, "X are: a, b." (`joined`), which
+is also the reply: a list in the conversation's memory is a form the embedded model copies into later answers.
 "list" also begins the answer to a plural "What are X?" as a bulleted list ("X are:", a blank line, "*"),
 where a several-item answer written on one line tends to name one item; not the default, since the
 embedded model then repeats list items and copies the list form into later answers.
@@ -44,6 +48,7 @@ class Turn:
     question_span: tuple[int, int]  # [start, end) of the question's tokens in prompt_ids
     stop_text: str | None  # the reply ends where this text follows some output
     reply_start: str = ""  # the answer's first words, read after the prompt and the first piece of the reply
+    listed: int | None = None  # a list answer, written on a copy of the stream: where its start is in prompt_ids
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -69,25 +74,32 @@ def encode_prompt(tokenizer: Any, prompt: str, question: str | None) -> tuple[li
     return encode_around(tokenizer, prompt[:at], question, prompt[at + len(question) :])
 
 
-def chat_turn(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str]], message: str) -> Turn:
-    """The token ids of a user turn after `history`, in `cfg.chat_format`."""
-    start = echo(message) if cfg.answer_start in ("echo", "list") else None
-    if start is not None and cfg.answer_start == "list" and start.endswith(" are"):
-        start += LIST_OPENER
+def chat_turn(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str]], message: str,
+              list_room: int | None = None) -> Turn:
+    """The token ids of a user turn after `history`, in `cfg.chat_format`. `list_room`: the most prompt tokens
+    that a list answer, read twice (`Turn.listed`), may follow; a longer turn is only echoed (None: no limit)."""
+    preamble_ids: list[int] = []
     if cfg.chat_format == "qa":
-        reply_start = "" if start is None else " " + start
         ids, span = encode_around(tokenizer, "\n\nQuestion:", " " + message.strip(), "\nAnswer:")
-        return Turn([], ids + encode(tokenizer, reply_start), span, "\n\n", reply_start)
-    turn = {"role": "user", "content": message}
-    preamble, question = _template_turn(tokenizer, history, turn)
-    split = len(message) if question.startswith(message) else 0  # 0: no known message span to match
-    ids, span = encode_around(tokenizer, "", question[:split], question[split:])
-    reply_start = start or ""
-    return Turn(encode(tokenizer, preamble), ids + encode(tokenizer, reply_start), span, None, reply_start)
+    else:
+        turn = {"role": "user", "content": message}
+        preamble, question = _template_turn(tokenizer, history, turn)
+        split = len(message) if question.startswith(message) else 0  # 0: no known message span to match
+        ids, span = encode_around(tokenizer, "", question[:split], question[split:])
+        preamble_ids = encode(tokenizer, preamble)
+    start = echo(message) if cfg.answer_start in ("echo", "list") else None
+    listed = (start is not None and cfg.answer_start == "echo" and start.endswith(" are") and asks_for_all(message)
+              and (list_room is None or len(ids) <= list_room))
+    if start is not None and start.endswith(" are") and (listed or cfg.answer_start == "list"):
+        start += LIST_OPENER
+    reply_start = "" if start is None else " " + start if cfg.chat_format == "qa" else start
+    stop = "\n\n" if cfg.chat_format == "qa" else None
+    return Turn(preamble_ids, ids + encode(tokenizer, reply_start), span, stop, reply_start,
+                len(ids) if listed else None)
 
 
 LIST_OPENER = ":\n\n*"  # after "X are": the reply's stop text (a blank line) does not end it after a colon
-_WHAT = re.compile(r"(?i)^\s*what(?:\s+(is|are)\s+|'s\s+)(?:all\s+(?:of\s+)?)?(.+?)\s*\?\s*$", re.DOTALL)
+_WHAT = re.compile(r"(?i)^\s*what(?:\s+(is|are)\s+|'s\s+)(all\s+(?:of\s+)?)?(.+?)\s*\?\s*$", re.DOTALL)
 # A last word that makes "X is" wrong English ("What is it called?", "What is the weather like?")
 _NOT_A_SUBJECT_END = {"about", "at", "called", "do", "doing", "does", "for", "from", "going", "happening", "in",
                       "known", "like", "made", "mean", "means", "named", "of", "on", "to", "used", "with"}
@@ -99,9 +111,9 @@ def echo(message: str) -> str | None:
     """The start of an answer to a one-sentence "What is/are X?" question: "X is/are", in the answerer's
     person ("What is my sister's name?" -> "Your sister's name is"); None for any other message."""
     match = _WHAT.match(message)
-    if match is None or "\n" in match[2] or re.search(r"[.?!]\s", match[2]):
+    if match is None or "\n" in match[3] or re.search(r"[.?!]\s", match[3]):
         return None
-    words = match[2].split()
+    words = match[3].split()
     if words[-1].lower().strip("\"'") in _NOT_A_SUBJECT_END or words[0].lower() in ("it", "that", "this", "there"):
         return None
     if len(words) == 1 and words[0].lower() in _PERSON:  # "What are you?": "I are" would not agree
@@ -110,6 +122,66 @@ def echo(message: str) -> str | None:
     subject = " ".join(words)
     verb = (match[1] or "is").lower()
     return subject[0].upper() + subject[1:] + " " + verb
+
+
+def asks_for_all(message: str) -> bool:
+    """Whether `message` asks "What are all (of) X?": an enumeration."""
+    match = _WHAT.match(message)
+    return match is not None and match[2] is not None
+
+
+_BULLET = re.compile(r"\s*(?:[*\-\u2022]|\d+[.)])(?:\s+|$)")  # "* ", "- ", "\u2022 ", "1. ", "2) "
+
+
+def joined(reply_start: str, pieces: Iterable[str]) -> Iterator[str]:
+    """A list answer, `pieces` written after `reply_start` (which ends in `LIST_OPENER`), as one sentence:
+    "X are:", then its distinct items as their lines are finished (" a", ", b"), then "."."""
+    yield reply_start.removesuffix(LIST_OPENER) + ":"
+    n = 0
+    for n, item in enumerate(list_items(pieces), 1):
+        yield (", " if n > 1 else " ") + item
+    if n:
+        yield "."
+
+
+def shown(turn: Turn, pieces: Iterable[str]) -> Iterator[str]:
+    """The reply to `turn` as the user reads it, from the `pieces` the model wrote after its answer start: a drafted
+    list's items as one sentence (`joined`), else the answer start, then the pieces."""
+    if turn.listed is not None:
+        yield from joined(turn.reply_start, pieces)
+        return
+    if turn.reply_start:
+        yield turn.reply_start
+    yield from pieces
+
+
+def list_items(pieces: Iterable[str]) -> Iterator[str]:
+    """The distinct items of a bulleted list whose first bullet came before `pieces`, each as soon as its line is
+    finished; the list ends at its first line that is neither an item nor blank. An item made only of earlier ones
+    ("Miso and Pepper" after "Miso" and "Pepper") is not new either."""
+    seen: set[str] = set()
+    for n, line in enumerate(_lines(pieces)):
+        bullet = _BULLET.match(line)
+        if n > 0 and bullet is None:
+            if line.strip():
+                return
+            continue
+        item = (line if n == 0 else line[bullet.end():]).strip().rstrip(".,;").strip()  # type: ignore[union-attr]
+        if item and not all(part in seen for part in _JOINS.split(item)):
+            seen.add(item)
+            yield item
+
+
+_JOINS = re.compile(r"\s*(?:[,;&]|\band\b)\s*")
+
+
+def _lines(pieces: Iterable[str]) -> Iterator[str]:
+    """The lines of the text that `pieces` make, each as soon as it is finished, then the unfinished rest."""
+    rest = ""
+    for piece in pieces:
+        *done, rest = (rest + piece).split("\n")
+        yield from done
+    yield rest
 
 
 def _template_turn(tokenizer: Any, history: list[dict[str, str]], turn: dict[str, str]) -> tuple[str, str]:

@@ -264,8 +264,9 @@ class GenerationConfig(_Strict):
         "template it answers from its own weights and ignores recalled events that it uses in the 'qa' form."))
     answer_start: Literal["none", "echo", "list"] = Field(default="echo", description=(
         "'echo': `chat` begins the answer to 'What is/are X?' as 'X is/are' (in the answerer's person), as a benchmark "
-        "prompt does. 'list': also a plural 'What are X?' as a bulleted list ('X are:', a blank line, '*'): more "
-        "list questions scored, but later turns copy the form. 'none': the model writes the whole answer."))
+        "prompt does; 'What are all X?' is drafted as a bulleted list, answered with its items: 'X are: a, b.'. "
+        "'list': every plural 'What are X?' as a bulleted list, kept (later turns copy the form). 'none': the "
+        "model writes the whole answer."))
 
 
 class IndexConfig(_Strict):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ class Reader:
         self.chat_history: list[dict[str, str]] = []  # the conversation so far (chat templates need it)
         self.broken: str | None = None  # why the resident state is no longer whole, once a step failed
         self._uncommitted = 0  # tokens read since the last commit
+        self._draft = False  # reading a draft: nothing sealed or committed (`draft`)
         snapshot = memory.load_checkpoint()
         if snapshot is not None:
             self._restore(snapshot)
@@ -55,7 +57,7 @@ class Reader:
             ids = self.pending[:chunk]
             del self.pending[:chunk]
             self._read(ids, plan, run, progress)
-            if self.memory.persistent and self._uncommitted >= self.cfg.store.commit_tokens:
+            if self.memory.persistent and not self._draft and self._uncommitted >= self.cfg.store.commit_tokens:
                 if run is not None:
                     run.document.token_end = self.tokens
                 self.commit(run.document if run is not None else None)
@@ -87,16 +89,30 @@ class Reader:
             if run.stop_requested:
                 raise KeyboardInterrupt
 
+    @contextmanager
+    def draft(self, plan: RecallPlan | None, token_ids: Sequence[int]) -> Iterator[None]:
+        """Read `token_ids` with `plan` as a draft: they and what is read inside are forgotten after, the stream left
+        as it was. Nothing is sealed or committed meanwhile, so the local window grows by the draft (keep it short)."""
+        saved, pending, uncommitted = self.state.snapshot(), list(self.pending), self._uncommitted
+        self._draft = True
+        try:
+            self.flush(plan, token_ids=token_ids)
+            yield
+        finally:
+            self._draft = False
+            self.state.restore(saved)
+            self.pending, self._uncommitted = pending, uncommitted
+
     def _read(self, ids: list[int], plan: RecallPlan | None, run: IngestRun | None,
               progress: ProgressCallback | None) -> None:
-        self.guarded(lambda: self.state.step(torch.tensor(ids, dtype=torch.long), plan))
+        self.guarded(lambda: self.state.step(torch.tensor(ids, dtype=torch.long), plan, seal=not self._draft))
         self._uncommitted += len(ids)
         if progress is not None:
             progress(self.progress(run))
 
     def decode(self, token_id: int, plan: RecallPlan) -> torch.Tensor:  # (1, V)
         """Read one generated token; returns the logits that predict the next."""
-        return self.guarded(lambda: self.state.decode(token_id, plan))
+        return self.guarded(lambda: self.state.decode(token_id, plan, seal=not self._draft))
 
     def guarded(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
         try:

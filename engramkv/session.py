@@ -13,7 +13,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -230,17 +230,15 @@ class Session:
 
     def _chat_pieces(self, message: str, max_new_tokens: int | None, budget_tokens: int | None,
                      theta: Theta | None, allocated: bool = False) -> Iterator[str]:  # allocated: ask_many's theta
-        turn = chat.chat_turn(self.lm.tokenizer, self.cfg.generation, self._reader.chat_history, message)
-        reply: list[str] = []
-        if turn.reply_start:  # the answer's first words, already in the prompt
-            reply.append(turn.reply_start)
-            yield turn.reply_start
-        for piece in self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text,
-                                 turn.question_span, budget_tokens, theta, allocated, turn.reply_start):
-            reply.append(piece)
-            yield piece
-        history = [{"role": "user", "content": message}, {"role": "assistant", "content": "".join(reply)}]
-        self._reader.chat_history += history
+        turn = chat.chat_turn(self.lm.tokenizer, self.cfg.generation, self._reader.chat_history, message,
+                              list_room=self.cfg.window.chunk_size)
+        pieces = self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text, turn.question_span,
+                             budget_tokens, theta, allocated, turn.reply_start, draft_from=turn.listed)
+        reply = yield from _kept(chat.shown(turn, pieces))
+        if turn.listed is not None:  # the drafted list's items, as the reply shows them, join the stream
+            with self._exclusive("chat"):
+                self._reader.flush(self.last_plan, token_ids=chat.encode(self.lm.tokenizer, reply))
+        self._reader.chat_history += [{"role": "user", "content": message}, {"role": "assistant", "content": reply}]
         if self.memory.persistent:
             with self._exclusive("commit"):
                 self._reader.commit()
@@ -248,9 +246,9 @@ class Session:
     def _reply(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                stop_text: str | None = None, question_span: tuple[int, int] | None = None,
                budget_tokens: int | None = None, theta: Theta | None = None, allocated: bool = False,
-               reply_start: str = "") -> Iterator[str]:  # reply_start: the reply's words already in the prompt
+               reply_start: str = "", draft_from: int | None = None) -> Iterator[str]:  # reply_start: in the prompt
         tokens = self._generate(prompt_ids, max_new_tokens, preamble_ids, question_span, budget_tokens, theta,
-                                allocated)
+                                allocated, draft_from)
         try:
             yield from chat.reply_text(self.lm.tokenizer, tokens, stop_text, self.cfg.generation.repeat_stop,
                                        reply_start)
@@ -259,10 +257,12 @@ class Session:
 
     def _generate(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                   question_span: tuple[int, int] | None = None, budget_tokens: int | None = None,
-                  theta: Theta | None = None, allocated: bool = False) -> Generator[int, None, None]:
+                  theta: Theta | None = None, allocated: bool = False,
+                  draft_from: int | None = None) -> Generator[int, None, None]:
         """With `question_span` (the question's tokens within `prompt_ids`) and question_match = "keys",
         every layer attends to the events that match the question while the answer is read and written,
-        under inference parameters `theta` (default: the allocation's choice, `answering`)."""
+        under inference parameters `theta` (default: the allocation's choice, `answering`). `draft_from`: the
+        prompt from there and the reply are a draft (`Reader.draft`), gone from the stream after the reply."""
         if not prompt_ids and self._reader.tokens == 0:
             raise EmptyInputError("nothing to continue: empty prompt and empty session")
         if budget_tokens is not None and budget_tokens < 0:
@@ -279,11 +279,12 @@ class Session:
                                                              question_span if matching else None, limit, theta,
                                                              allocated)
             self.last_recalled = recalled_events(self.memory, self.lm.tokenizer.decode, list(plan.hits))
-            self._reader.flush(plan, token_ids=prompt_ids)
-            if question_span is not None and plan.events is None:
-                self.last_recalled = _attended_events(self.state, self.memory, self.lm.tokenizer)
-            yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),
-                                   max_new, stop, generation)
+            self._reader.flush(plan, token_ids=prompt_ids[:draft_from])  # all of it without a draft
+            with self._reader.draft(plan, prompt_ids[draft_from:]) if draft_from is not None else nullcontext():
+                if question_span is not None and plan.events is None:
+                    self.last_recalled = _attended_events(self.state, self.memory, self.lm.tokenizer)
+                yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),
+                                       max_new, stop, generation)
 
     def ask_many(self, questions: Sequence[str], total_tokens: int, max_new_tokens: int | None = None) -> list[Answer]:
         """Answer `questions` as chat turns, in order, their effective context (`RecallPlan.context_tokens`) together
@@ -351,6 +352,15 @@ class Session:
         if self._closed:
             raise SessionError("cannot report stats: the session is closed")
         return _stats(self.lm.spec.model_id, self.memory, self.state, self._reader)
+
+
+def _kept(pieces: Iterable[str]) -> Generator[str, None, str]:
+    """Yield `pieces`; return their text."""
+    kept = []
+    for piece in pieces:
+        kept.append(piece)
+        yield piece
+    return "".join(kept)
 
 
 def _stats(model_id: str, memory: PersistentMemory, state: EpisodicState, reader: Reader) -> SessionStats:

@@ -204,10 +204,11 @@ class EpisodicState:
 
     # ------------------------------------------------------------------ stream processing
     @torch.inference_mode()
-    def step(self, token_ids: torch.Tensor, plan: RecallPlan | None = None) -> torch.Tensor:
+    def step(self, token_ids: torch.Tensor, plan: RecallPlan | None = None, seal: bool = True) -> torch.Tensor:
         """Read `token_ids` (T,) into the stream; returns the logits (T, V), on the model's device.
 
-        plan: how a prompt reads memory (`retrieval.question`); None while reading a document.
+        plan: how a prompt reads memory (`retrieval.question`); None while reading a document. seal: False
+        reads a draft (`Reader.draft`): nothing leaves the local window.
         """
         self.decode_steps = 0
         forward = self._pass(plan, refresh=True, probe=False)
@@ -215,11 +216,11 @@ class EpisodicState:
         # scored where the logits are: only (T,) surprises and the last row cross to the host, not (T, V)
         previous = None if self.last_logits is None else self.last_logits.to(self.device)
         surprise = token_surprise(logits, token_ids.to(self.device).long(), previous).cpu()  # (T,)
-        self._advance(token_ids, logits, surprise)
+        self._advance(token_ids, logits, surprise, seal)
         return logits
 
     @torch.inference_mode()
-    def decode(self, token_id: int, plan: RecallPlan) -> torch.Tensor:
+    def decode(self, token_id: int, plan: RecallPlan, seal: bool = True) -> torch.Tensor:
         """Read one generated token; returns the logits (1, V) that predict the next one.
 
         The prompt's recall stands for the first tokens; it is refreshed every `decode_interval` after that.
@@ -233,16 +234,17 @@ class EpisodicState:
             surprise = -torch.log_softmax(self.last_logits, dim=-1)[token_ids]  # (1,)
         else:
             surprise = token_surprise(logits, token_ids, None)
-        self._advance(token_ids, logits, surprise)
+        self._advance(token_ids, logits, surprise, seal)
         return logits
 
-    def _advance(self, token_ids: torch.Tensor, logits: torch.Tensor, surprise: torch.Tensor) -> None:
+    def _advance(self, token_ids: torch.Tensor, logits: torch.Tensor, surprise: torch.Tensor, seal: bool) -> None:
         # A copy: a view would keep the chunk's whole (C, V) logits alive, and a checkpoint saving it would
         # write them all (71 MB of a 124 MB checkpoint, measured).
         self.last_logits = logits[-1].to("cpu", copy=True)
         self.stream.record(token_ids.cpu(), surprise)
         # In decoding too, so a long reply cannot push positions past the trained length.
-        self.stream.seal(self.layers, self.memory)
+        if seal:
+            self.stream.seal(self.layers, self.memory)
 
     def _pass(self, plan: RecallPlan | None, refresh: bool, probe: bool) -> _Pass:
         n = len(self.layers)

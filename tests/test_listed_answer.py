@@ -1,0 +1,93 @@
+"""A question for all of something is answered as a list drafted on a copy of the stream, its items one sentence."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engramkv import EngineConfig, chat
+from engramkv.config import GenerationConfig, RecallConfig, SegmentationConfig, WindowConfig
+
+from conftest import IntTokenizer, tiny_pair
+
+OPENER = " The numbers are" + chat.LIST_OPENER
+
+
+@pytest.mark.parametrize("question, asks", [
+    ("What are all the special magic numbers for a-b and c-d mentioned in the provided text?", True),
+    ("what are all of my cats' names?", True),
+    ("What are the names of my cats?", False),
+    ("What is all the fuss about?", True),  # asks for all, but is not echoed: no list (below)
+    ("Tell me all the numbers.", False),
+])
+def test_a_question_for_all_of_something_is_recognised(question, asks):
+    assert chat.asks_for_all(question) is asks
+
+
+def test_the_items_become_one_sentence_each_named_once():
+    assert "".join(chat.joined(OPENER, [" 7007071\n* 4664860\n* 4664860.\n* 7007071"])) == \
+        " The numbers are: 7007071, 4664860."
+    # an item made only of earlier ones is not new; the list ends at a line that is not an item
+    assert "".join(chat.joined(OPENER, [" Miso\n- Pepper\n2. Miso and Pepper\nThe numbers are:\n* 5"])) == \
+        " The numbers are: Miso, Pepper."
+    assert "".join(chat.joined(OPENER, ["\n*\n"])) == " The numbers are:"  # no items: the start alone
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["* ", "- ", "1. ", "42", "7", "Miso", " and ", ".", ",", "\n", "x y"]), max_size=30),
+       st.data())
+def test_the_sentence_does_not_depend_on_how_the_list_is_streamed(tokens, data):
+    text = "".join(tokens)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    assert "".join(chat.joined(OPENER, pieces)) == "".join(chat.joined(OPENER, [text]))
+
+
+@pytest.mark.parametrize("chat_format, lead", [("qa", " "), ("template", "")])
+def test_only_an_echoed_question_for_all_is_listed(chat_format, lead):
+    echo = GenerationConfig(chat_format=chat_format, answer_start="echo")
+    turn = chat.chat_turn(IntTokenizer(), echo, [], "What are all the pass keys?")
+    assert turn.reply_start == lead + "The pass keys are" + chat.LIST_OPENER
+    assert turn.prompt_ids[turn.listed:] == IntTokenizer().encode(turn.reply_start)
+    assert chat.chat_turn(IntTokenizer(), echo, [], "What are the pass keys?").listed is None
+    assert chat.chat_turn(IntTokenizer(), echo, [], "What is all the fuss about?").listed is None
+    # a turn too long to read twice is only echoed
+    long = chat.chat_turn(IntTokenizer(), echo, [], "What are all the pass keys?", list_room=3)
+    assert (long.listed, long.reply_start) == (None, lead + "The pass keys are")
+    for start in ("none", "list"):  # "list" lists every plural answer, as the model writes it
+        other = GenerationConfig(chat_format=chat_format, answer_start=start)
+        assert chat.chat_turn(IntTokenizer(), other, [], "What are all the pass keys?").listed is None
+
+
+CFG = EngineConfig(
+    window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
+    recall=RecallConfig(enabled=False),  # the turn reads no memory, so a plain read of its ids is its twin
+    segmentation=SegmentationConfig(min_event=4, max_event=24),
+)
+
+
+def test_the_stream_keeps_the_sentence_and_forgets_the_draft():
+    _, lm = tiny_pair("llama", CFG)
+    listed, twin = lm.session(), lm.session()
+    text = " ".join(str(i % 50 + 1) for i in range(300))  # past the local window: events are sealed
+    listed.ingest(text)
+    twin.ingest(text)
+    events = listed.events
+    reply = listed.chat("What are all the pass keys?", max_new_tokens=90)  # more than the window: no sealing
+    assert reply.startswith(" The pass keys are:") and reply.endswith(".")
+    turn = chat.chat_turn(lm.tokenizer, CFG.generation, [], "What are all the pass keys?")
+    twin.ingest_ids(turn.prompt_ids[: turn.listed] + lm.tokenizer.encode(reply))
+    assert listed.tokens_ingested == twin.tokens_ingested
+    assert listed.events == twin.events >= events
+    assert listed.generate_ids([5, 6, 7], max_new_tokens=8) == twin.generate_ids([5, 6, 7], max_new_tokens=8)
+    assert listed._reader.chat_history[-1] == {"role": "assistant", "content": reply}
+
+
+def test_a_stored_session_commits_the_sentence(tmp_path):
+    _, lm = tiny_pair("llama", CFG)
+    with lm.session(store=tmp_path / "s") as session:
+        session.ingest("1 2 3 4 5 6 7 8")
+        reply = session.chat("What are all the pass keys?", max_new_tokens=6)
+        tokens = session.tokens_ingested
+    with lm.session(store=tmp_path / "s", read_only=True) as reopened:
+        assert reopened.tokens_ingested == tokens
+        assert reopened._reader.chat_history[-1]["content"] == reply
