@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel
 
-from engramkv import hf
+from engramkv import chat, hf
 from engramkv.answering import Answerer, demonstration_ids, nominal_cost
 from engramkv.config import EngineConfig
 from engramkv.errors import InputError
@@ -72,8 +72,9 @@ class CalibrationReport(BaseModel):
 def answer_path(cfg: EngineConfig) -> dict[str, Any]:
     """The settings besides theta that shape a calibration answer (the chat turn's form, what the answer reads of
     its hits): coefficients predict answers of their path, so a change of these defaults needs a new calibration."""
-    return {"chat_format": cfg.generation.chat_format, "answer_start": cfg.generation.answer_start,
-            "min_new_tokens": cfg.generation.min_new_tokens, "temperature": cfg.generation.temperature,
+    g = cfg.generation
+    return {"chat_format": g.chat_format, "answer_start": g.answer_start, "answer_forms": chat.ANSWER_FORMS,
+            "min_new_tokens": g.min_new_tokens, "temperature": g.temperature,
             "answer_reading": cfg.recall.answer_reading, "answer_layout": cfg.recall.answer_layout}
 
 
@@ -103,8 +104,7 @@ def design(cfg: EngineConfig, default: Theta) -> list[Theta]:
 
 def samples(cfg: EngineConfig, tokenizer: Any) -> list[Sample]:
     c = cfg.calibration
-    unknown = sorted(set(c.tasks) - set(TASKS))
-    if unknown:
+    if unknown := sorted(set(c.tasks) - set(TASKS)):
         raise InputError(f"unknown calibration tasks {unknown}; known: {sorted(TASKS)}")
     try:
         return [TASKS[task](tokenizer, length, CALIBRATION_SEEDS + i)

@@ -98,6 +98,7 @@ def chat_turn(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str
                 len(ids) if listed else None)
 
 
+ANSWER_FORMS = 2  # the answer start's rules, numbered: 2 drafts the list that answers "What are all X?"
 LIST_OPENER = ":\n\n*"  # after "X are": the reply's stop text (a blank line) does not end it after a colon
 _WHAT = re.compile(r"(?i)^\s*what(?:\s+(is|are)\s+|'s\s+)(all\s+(?:of\s+)?)?(.+?)\s*\?\s*$", re.DOTALL)
 # A last word that makes "X is" wrong English ("What is it called?", "What is the weather like?")

@@ -29,7 +29,7 @@ ALLOWED = {
     "answering": {"chat", "reading", "engine", "retrieval", "memory", "config", "errors"},
     "sharding": {"engine", "storage", "memory", "documents", "results", "config", "errors"},
     "session": {"answering", "chat", "reading", "sharding", "engine", "retrieval", "memory", "documents", "results", "config", "errors", "spec"},
-    "calibration": {"lm", "hf", "answering", "retrieval", "tasks", "config", "errors"},
+    "calibration": {"lm", "hf", "answering", "chat", "retrieval", "tasks", "config", "errors"},
     "lm": {"session", "storage", "memory", "hf", "config", "errors", "spec"},
     "lowrank_fit": {"lm", "hf", "storage", "config", "errors"},
     "__init__": {"calibration", "lowrank_fit", "lm", "session", "storage", "memory", "retrieval", "results", "config", "errors", "spec"},
