@@ -234,7 +234,7 @@ class Session:
                               list_room=self.cfg.window.chunk_size)
         pieces = self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text, turn.question_span,
                              budget_tokens, theta, allocated, turn.reply_start, draft_from=turn.listed)
-        reply = yield from _kept(chat.shown(turn, pieces))
+        reply = yield from _kept(chat.shown(turn, pieces), pieces)
         if turn.listed is not None:  # the drafted list's items, as the reply shows them, join the stream
             with self._exclusive("chat"):
                 self._reader.flush(self.last_plan, token_ids=chat.encode(self.lm.tokenizer, reply))
@@ -246,7 +246,7 @@ class Session:
     def _reply(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                stop_text: str | None = None, question_span: tuple[int, int] | None = None,
                budget_tokens: int | None = None, theta: Theta | None = None, allocated: bool = False,
-               reply_start: str = "", draft_from: int | None = None) -> Iterator[str]:  # reply_start: in the prompt
+               reply_start: str = "", draft_from: int | None = None) -> Generator[str, None, None]:
         tokens = self._generate(prompt_ids, max_new_tokens, preamble_ids, question_span, budget_tokens, theta,
                                 allocated, draft_from)
         try:
@@ -354,12 +354,16 @@ class Session:
         return _stats(self.lm.spec.model_id, self.memory, self.state, self._reader)
 
 
-def _kept(pieces: Iterable[str]) -> Generator[str, None, str]:
-    """Yield `pieces`; return their text."""
+def _kept(pieces: Iterable[str], reply: Generator[str, None, None]) -> Generator[str, None, str]:
+    """Yield `pieces` (what is shown of `reply`); return their text. `reply` is closed after, since what is shown
+    may end before it does (a list), and it holds the session until closed."""
     kept = []
-    for piece in pieces:
-        kept.append(piece)
-        yield piece
+    try:
+        for piece in pieces:
+            kept.append(piece)
+            yield piece
+    finally:
+        reply.close()
     return "".join(kept)
 
 

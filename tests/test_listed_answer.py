@@ -91,3 +91,13 @@ def test_a_stored_session_commits_the_sentence(tmp_path):
     with lm.session(store=tmp_path / "s", read_only=True) as reopened:
         assert reopened.tokens_ingested == tokens
         assert reopened._reader.chat_history[-1]["content"] == reply
+
+
+def test_a_list_that_ends_before_the_reply_does_lets_the_session_go(monkeypatch):
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    session.ingest("1 2 3 4 5 6 7 8")
+    # every token writes a line that is not an item: the list ends at the first, while the model goes on
+    monkeypatch.setattr(lm.tokenizer, "decode", lambda ids, skip_special_tokens=False: " 5" + "\nsome prose" * len(ids))
+    assert session.chat("What are all the pass keys?", max_new_tokens=20) == " The pass keys are: 5."
+    assert session.chat("7 8", max_new_tokens=2)  # the session is free again
