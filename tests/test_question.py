@@ -126,15 +126,15 @@ def _spy_on_plans(monkeypatch, session, on_answer_step):
     state = session.state
     step, decode = state.step, state.decode
 
-    def spied_step(token_ids, plan=None):
-        logits = step(token_ids, plan)
+    def spied_step(token_ids, plan=None, seal=True):
+        logits = step(token_ids, plan, seal)
         plans.append(plan)
         if plan is not None:
             on_answer_step()
         return logits
 
-    def spied_decode(token_id, plan):
-        logits = decode(token_id, plan)
+    def spied_decode(token_id, plan, seal=True):
+        logits = decode(token_id, plan, seal)
         plans.append(plan)
         on_answer_step()
         return logits
