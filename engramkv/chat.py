@@ -48,7 +48,7 @@ class Turn:
     question_span: tuple[int, int]  # [start, end) of the question's tokens in prompt_ids
     stop_text: str | None  # the reply ends where this text follows some output
     reply_start: str = ""  # the answer's first words, read after the prompt and the first piece of the reply
-    listed: int | None = None  # a list answer, written on a copy of the stream: where its start is in prompt_ids
+    listed: int | None = None  # a list answer, drafted (`Reader.reading`): where its answer start is in prompt_ids
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
@@ -76,8 +76,9 @@ def encode_prompt(tokenizer: Any, prompt: str, question: str | None) -> tuple[li
 
 def chat_turn(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str]], message: str,
               list_room: int | None = None) -> Turn:
-    """The token ids of a user turn after `history`, in `cfg.chat_format`. `list_room`: the most prompt tokens
-    that a list answer, read twice (`Turn.listed`), may follow; a longer turn is only echoed (None: no limit)."""
+    """The token ids of a user turn after `history`, in `cfg.chat_format`. `list_room`: the most tokens the prompt,
+    its answer start included, may take to be answered from a drafted list (`Turn.listed`; None: no limit); a
+    longer one is only echoed."""
     preamble_ids: list[int] = []
     if cfg.chat_format == "qa":
         ids, span = encode_around(tokenizer, "\n\nQuestion:", " " + message.strip(), "\nAnswer:")
@@ -87,15 +88,23 @@ def chat_turn(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str
         split = len(message) if question.startswith(message) else 0  # 0: no known message span to match
         ids, span = encode_around(tokenizer, "", question[:split], question[split:])
         preamble_ids = encode(tokenizer, preamble)
+    lead = " " if cfg.chat_format == "qa" else ""
     start = echo(message) if cfg.answer_start in ("echo", "list") else None
-    listed = (start is not None and cfg.answer_start == "echo" and start.endswith(" are") and asks_for_all(message)
-              and (list_room is None or len(ids) <= list_room))
-    if start is not None and start.endswith(" are") and (listed or cfg.answer_start == "list"):
-        start += LIST_OPENER
-    reply_start = "" if start is None else " " + start if cfg.chat_format == "qa" else start
+    plural = start is not None and start.endswith(" are")
+    listed = plural and cfg.answer_start == "echo" and asks_for_all(message) and (
+        list_room is None or len(ids) + len(encode(tokenizer, lead + f"{start}{LIST_OPENER}")) <= list_room)
+    if plural and (listed or cfg.answer_start == "list"):
+        start = f"{start}{LIST_OPENER}"
+    reply_start = "" if start is None else lead + start
     stop = "\n\n" if cfg.chat_format == "qa" else None
     return Turn(preamble_ids, ids + encode(tokenizer, reply_start), span, stop, reply_start,
                 len(ids) if listed else None)
+
+
+def reply_ids(tokenizer: Any, turn: Turn, reply: str) -> list[int]:
+    """The ids a drafted list's `reply` adds to the stream after its turn's question: its text, and in the template
+    format the end of the turn (a written reply's stop token, read as the reply ended)."""
+    return encode(tokenizer, reply) + (sorted(stop_ids(tokenizer)) if turn.stop_text is None else [])
 
 
 ANSWER_FORMS = 2  # the answer start's rules, numbered: 2 drafts the list that answers "What are all X?"
@@ -168,12 +177,12 @@ def list_items(pieces: Iterable[str]) -> Iterator[str]:
                 return
             continue
         item = (line if n == 0 else line[bullet.end():]).strip().rstrip(".,;").strip()  # type: ignore[union-attr]
-        if item and not all(part in seen for part in _JOINS.split(item)):
+        if item and not all(part in seen for part in _JOINS.split(item) if part):
             seen.add(item)
             yield item
 
 
-_JOINS = re.compile(r"\s*(?:[,;&]|\band\b)\s*")
+_JOINS = re.compile(r"(?i)\s*(?:[,;&]|\band\b)\s*")
 
 
 def _lines(pieces: Iterable[str]) -> Iterator[str]:

@@ -38,7 +38,7 @@ class Reader:
         self.chat_history: list[dict[str, str]] = []  # the conversation so far (chat templates need it)
         self.broken: str | None = None  # why the resident state is no longer whole, once a step failed
         self._uncommitted = 0  # tokens read since the last commit
-        self._draft = False  # reading a draft: nothing sealed or committed (`draft`)
+        self._draft = False  # reading a draft: nothing sealed or committed (`reading`)
         snapshot = memory.load_checkpoint()
         if snapshot is not None:
             self._restore(snapshot)
@@ -90,9 +90,14 @@ class Reader:
                 raise KeyboardInterrupt
 
     @contextmanager
-    def draft(self, plan: RecallPlan | None, token_ids: Sequence[int]) -> Iterator[None]:
-        """Read `token_ids` with `plan` as a draft: they and what is read inside are forgotten after, the stream left
-        as it was. Nothing is sealed or committed meanwhile, so the local window grows by the draft (keep it short)."""
+    def reading(self, plan: RecallPlan | None, token_ids: Sequence[int], draft: bool) -> Iterator[None]:
+        """Read `token_ids` with `plan`, then what the caller reads inside. With `draft`, all of it is a draft,
+        forgotten after, the stream left as it was: nothing is sealed or committed meanwhile, so the local window
+        grows by the draft (keep it short)."""
+        if not draft:
+            self.flush(plan, token_ids=token_ids)
+            yield
+            return
         saved, pending, uncommitted = self.state.snapshot(), list(self.pending), self._uncommitted
         self._draft = True
         try:

@@ -13,7 +13,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -231,13 +231,14 @@ class Session:
     def _chat_pieces(self, message: str, max_new_tokens: int | None, budget_tokens: int | None,
                      theta: Theta | None, allocated: bool = False) -> Iterator[str]:  # allocated: ask_many's theta
         turn = chat.chat_turn(self.lm.tokenizer, self.cfg.generation, self._reader.chat_history, message,
-                              list_room=self.cfg.window.chunk_size)
+                              list_room=_list_room(self.cfg, self.lm.spec, max_new_tokens))
         pieces = self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text, turn.question_span,
-                             budget_tokens, theta, allocated, turn.reply_start, draft_from=turn.listed)
+                             budget_tokens, theta, allocated, turn.reply_start, draft=turn.listed is not None)
         reply = yield from _kept(chat.shown(turn, pieces), pieces)
-        if turn.listed is not None:  # the drafted list's items, as the reply shows them, join the stream
+        if turn.listed is not None:  # the turn as shown joins the stream: the question, then the list's items
             with self._exclusive("chat"):
-                self._reader.flush(self.last_plan, token_ids=chat.encode(self.lm.tokenizer, reply))
+                ids = turn.prompt_ids[: turn.listed] + chat.reply_ids(self.lm.tokenizer, turn, reply)
+                self._reader.flush(self.last_plan, token_ids=ids)
         self._reader.chat_history += [{"role": "user", "content": message}, {"role": "assistant", "content": reply}]
         if self.memory.persistent:
             with self._exclusive("commit"):
@@ -246,9 +247,9 @@ class Session:
     def _reply(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                stop_text: str | None = None, question_span: tuple[int, int] | None = None,
                budget_tokens: int | None = None, theta: Theta | None = None, allocated: bool = False,
-               reply_start: str = "", draft_from: int | None = None) -> Generator[str, None, None]:
+               reply_start: str = "", draft: bool = False) -> Generator[str, None, None]:
         tokens = self._generate(prompt_ids, max_new_tokens, preamble_ids, question_span, budget_tokens, theta,
-                                allocated, draft_from)
+                                allocated, draft)
         try:
             yield from chat.reply_text(self.lm.tokenizer, tokens, stop_text, self.cfg.generation.repeat_stop,
                                        reply_start)
@@ -258,11 +259,11 @@ class Session:
     def _generate(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                   question_span: tuple[int, int] | None = None, budget_tokens: int | None = None,
                   theta: Theta | None = None, allocated: bool = False,
-                  draft_from: int | None = None) -> Generator[int, None, None]:
+                  draft: bool = False) -> Generator[int, None, None]:
         """With `question_span` (the question's tokens within `prompt_ids`) and question_match = "keys",
         every layer attends to the events that match the question while the answer is read and written,
-        under inference parameters `theta` (default: the allocation's choice, `answering`). `draft_from`: the
-        prompt from there and the reply are a draft (`Reader.draft`), gone from the stream after the reply."""
+        under inference parameters `theta` (default: the allocation's choice, `answering`). `draft`: the prompt
+        and the reply are a draft (`Reader.reading`), gone from the stream after the reply."""
         if not prompt_ids and self._reader.tokens == 0:
             raise EmptyInputError("nothing to continue: empty prompt and empty session")
         if budget_tokens is not None and budget_tokens < 0:
@@ -279,8 +280,7 @@ class Session:
                                                              question_span if matching else None, limit, theta,
                                                              allocated)
             self.last_recalled = recalled_events(self.memory, self.lm.tokenizer.decode, list(plan.hits))
-            self._reader.flush(plan, token_ids=prompt_ids[:draft_from])  # all of it without a draft
-            with self._reader.draft(plan, prompt_ids[draft_from:]) if draft_from is not None else nullcontext():
+            with self._reader.reading(plan, prompt_ids, draft):
                 if question_span is not None and plan.events is None:
                     self.last_recalled = _attended_events(self.state, self.memory, self.lm.tokenizer)
                 yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),
@@ -354,9 +354,15 @@ class Session:
         return _stats(self.lm.spec.model_id, self.memory, self.state, self._reader)
 
 
+def _list_room(cfg: EngineConfig, spec: ModelSpec, max_new_tokens: int | None) -> int:
+    """The most tokens a prompt may take to be answered from a drafted list: a draft seals nothing, so its window
+    grows by the prompt (the span allows a chunk) and the reply (none where that reaches past the trained length)."""
+    max_new = max_new_tokens if max_new_tokens is not None else cfg.generation.max_new_tokens
+    return cfg.window.chunk_size if cfg.attention_span(max_new) <= spec.trained_length else 0
+
+
 def _kept(pieces: Iterable[str], reply: Generator[str, None, None]) -> Generator[str, None, str]:
-    """Yield `pieces` (what is shown of `reply`); return their text. `reply` is closed after, since what is shown
-    may end before it does (a list), and it holds the session until closed."""
+    """Yield `pieces` (what is shown of `reply`) and return their text; close `reply`, which holds the session."""
     kept = []
     try:
         for piece in pieces:

@@ -29,6 +29,7 @@ def test_the_items_become_one_sentence_each_named_once():
     # an item made only of earlier ones is not new; the list ends at a line that is not an item
     assert "".join(chat.joined(OPENER, [" Miso\n- Pepper\n2. Miso and Pepper\nThe numbers are:\n* 5"])) == \
         " The numbers are: Miso, Pepper."
+    assert "".join(chat.joined(OPENER, [" Miso\n* Pepper\n* Miso, AND Pepper"])) == " The numbers are: Miso, Pepper."
     assert "".join(chat.joined(OPENER, ["\n*\n"])) == " The numbers are:"  # no items: the start alone
 
 
@@ -56,6 +57,26 @@ def test_only_an_echoed_question_for_all_is_listed(chat_format, lead):
     for start in ("none", "list"):  # "list" lists every plural answer, as the model writes it
         other = GenerationConfig(chat_format=chat_format, answer_start=start)
         assert chat.chat_turn(IntTokenizer(), other, [], "What are all the pass keys?").listed is None
+
+
+def test_a_template_reply_read_back_ends_its_turn_as_a_written_one_does():
+    class WithEos(IntTokenizer):
+        eos_token_id = 3
+
+    template = chat.chat_turn(WithEos(), GenerationConfig(chat_format="template"), [], "What are all the keys?")
+    qa = chat.chat_turn(WithEos(), GenerationConfig(chat_format="qa"), [], "What are all the keys?")
+    assert chat.reply_ids(WithEos(), template, " 5 6") == [5, 6, 3]
+    assert chat.reply_ids(WithEos(), qa, " 5 6") == [5, 6]  # the next turn's blank line ends it
+
+
+def test_no_list_is_drafted_where_the_reply_could_pass_the_trained_length():
+    from engramkv.session import _list_room
+
+    _, lm = tiny_pair("llama", CFG)
+    room = lm.spec.trained_length - CFG.attention_span(0)
+    assert _list_room(CFG, lm.spec, None) == CFG.window.chunk_size
+    assert _list_room(CFG, lm.spec, room) == CFG.window.chunk_size
+    assert _list_room(CFG, lm.spec, room + 1) == 0
 
 
 CFG = EngineConfig(
@@ -101,3 +122,26 @@ def test_a_list_that_ends_before_the_reply_does_lets_the_session_go(monkeypatch)
     monkeypatch.setattr(lm.tokenizer, "decode", lambda ids, skip_special_tokens=False: " 5" + "\nsome prose" * len(ids))
     assert session.chat("What are all the pass keys?", max_new_tokens=20) == " The pass keys are: 5."
     assert session.chat("7 8", max_new_tokens=2)  # the session is free again
+
+
+def test_a_draft_with_recall_on_leaves_the_stream_as_it_was():
+    import torch
+
+    config = CFG.model_copy(update={"recall": RecallConfig(budget_tokens=48)})
+    _, lm = tiny_pair("llama", config)
+    session = lm.session()
+    session.ingest(" ".join(str(i % 70 + 1) for i in range(400)))
+    events, before = session.events, session.state.snapshot()
+    with session._reader.reading(None, list(range(1, 91)), draft=True):  # three chunks and more: would seal
+        assert session.tokens_ingested == 490
+    after = session.state.snapshot()
+    assert session.events == events and session.tokens_ingested == 400
+    assert after.keys() == before.keys()
+    for key in before:
+        if key == "layers":
+            for was, now in zip(before[key], after[key]):
+                assert all(torch.equal(was[k], now[k]) if torch.is_tensor(was[k]) else was[k] == now[k] for k in was)
+        elif torch.is_tensor(before[key]):
+            assert torch.equal(before[key], after[key])
+        else:
+            assert before[key] == after[key], key

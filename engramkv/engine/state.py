@@ -208,7 +208,7 @@ class EpisodicState:
         """Read `token_ids` (T,) into the stream; returns the logits (T, V), on the model's device.
 
         plan: how a prompt reads memory (`retrieval.question`); None while reading a document. seal: False
-        reads a draft (`Reader.draft`): nothing leaves the local window.
+        reads a draft (`Reader.reading`): nothing leaves the local window.
         """
         self.decode_steps = 0
         forward = self._pass(plan, refresh=True, probe=False)
@@ -242,7 +242,8 @@ class EpisodicState:
         # write them all (71 MB of a 124 MB checkpoint, measured).
         self.last_logits = logits[-1].to("cpu", copy=True)
         self.stream.record(token_ids.cpu(), surprise)
-        # In decoding too, so a long reply cannot push positions past the trained length.
+        # In decoding too, so a long reply cannot push positions past the trained length (a draft, which seals
+        # nothing, is kept short enough by its caller: `Session`'s list room).
         if seal:
             self.stream.seal(self.layers, self.memory)
 
