@@ -15,12 +15,11 @@ is known exactly.
 With `GenerationConfig.answer_start` "echo", a question of the form "What is/are X?" has its answer begun
 for the model as "X is/are" (`echo`), the way a benchmark prompt begins it; the reply includes that start.
 A question for all of something ("What are all X?") is answered as a bulleted list ("X are:", a blank line,
-"*") written on a copy of the stream (`Turn.listed`), where written on one line such an answer tends to name
-one item; its distinct items are then read into the stream as one sentence, "X are: a, b." (`joined`), which
-is also the reply: a list in the conversation's memory is a form the embedded model copies into later answers.
-"list" also begins the answer to a plural "What are X?" as a bulleted list ("X are:", a blank line, "*"),
-where a several-item answer written on one line tends to name one item; not the default, since the
-embedded model then repeats list items and copies the list form into later answers.
+"*") drafted on the stream (`Turn.listed`; the session reads it with `Reader.reading(draft=True)`), since
+written on one line such an answer tends to name one item; its distinct items are the reply, as one sentence,
+"X are: a, b." (`joined`), and the stream reads the question and that sentence: a list in the conversation's
+memory is a form the embedded model copies into later answers. "list" begins the answer to every plural "What
+are X?" as a bulleted list, kept as written; not the default, for that copying.
 
 A reply ends before a sentence or line that comes back for the `GenerationConfig.repeat_stop`-th time
 (`until_repeat`), the cut the evaluation's scorer makes (`cut_repeats`), so a reply reads as it is scored.
