@@ -127,7 +127,7 @@ class Answerer:
         probe = self.state.probe(ids)
         keys = torch.stack([probe.keys[layer][:, span[0] : span[1]] for layer in layers])  # (S, Hkv, C, D)
         k = max(recall.answer_hits, *self.cfg.allocation.k)
-        matched = question.assess(self.memory, keys, layers, probe.recalled, self.state.resident_keys(layers),
+        matched = question.assess(self.memory, keys, layers, probe.recalled, self.state.local_keys(layers),
                                   recall, k)
         margin = matched.window - matched.hits[0][1] if matched.hits else 0.0
         measured = with_i_doc and self.cfg.allocation.i_doc
@@ -141,16 +141,12 @@ class Answerer:
         return Assessment(matched, features, piece, centre, reported)
 
     def _stream_piece(self, piece: tuple[int, int] | None) -> tuple[int, int] | None:
-        """A piece of the resident keys (sinks, then local tokens) as stream indices of its local tokens
-        (None: none, or all in the sinks, which every answer reads)."""
-        if piece is None or piece[1] <= self.state.stream.sink_len:
-            return None
-        return self._stream_index(piece[0]), self._stream_index(piece[1])
+        """A piece of the local keys as stream indices (None: none)."""
+        return None if piece is None else (self._stream_index(piece[0]), self._stream_index(piece[1]))
 
-    def _stream_index(self, resident: int) -> int:
-        """The stream index of a resident key (sinks first); a sink maps to the first local token."""
-        stream = self.state.stream
-        return stream.local_start + max(resident - stream.sink_len, 0)
+    def _stream_index(self, local: int) -> int:
+        """The stream index of a local key."""
+        return self.state.stream.local_start + local
 
     def model_uses_i_doc(self) -> bool:
         """Whether the model's choice reads i_doc (its two probes are spent only then, or for a given theta)."""

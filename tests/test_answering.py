@@ -380,3 +380,24 @@ def test_centred_reading_reads_parts_within_the_budget(theta):
     read = sum(b - a for a, b in plan.event_tokens)
     assert 0 < read <= theta.k * theta.s * theta.n
     assert session.state.layers[0].recalled_kv[0].shape[1] == read
+
+
+def test_a_question_in_the_words_of_the_sinks_is_not_answered_by_them():
+    # Every answer reads the sinks, so they are not the window that out-scores memory: a question that
+    # repeats a document's opening (a title, an instruction) still recalls events.
+    from engramkv import chat
+    from engramkv.retrieval import question
+
+    head = _text(CFG.window.n_sink, 7)
+    session = tiny_pair("llama", CFG)[1].session()
+    session.ingest(head + " " + _text(600, 8))
+    ids, span = chat.encode_prompt(session.lm.tokenizer, head, head)
+    state, recall = session.state, session.cfg.recall
+    matched = session._answerer.assess(ids, span, False).matched
+    sinks = [state.layers[i].sink_k for i in state.summary_layers]
+    by_sinks, _, _ = question.window_score(session.memory, matched.hits[: recall.answer_hits], sinks, matched.keys,
+                                           recall.match_neighbours)
+    assert by_sinks > matched.hits[0][1] + recall.window_margin  # the sinks would have won: the case is real
+    assert matched.window < by_sinks and not question.window_answers(matched, recall)
+    session.generate(head, 2, question=head)
+    assert session.last_plan.events  # memory recalled

@@ -265,9 +265,9 @@ class EpisodicState:
         keys = [key.float().cpu() for key in forward.keys if key is not None]
         return Probe(queries, keys, recalled, logits[-1])
 
-    def resident_keys(self, layers: list[int]) -> list[torch.Tensor]:
-        """The resident window's keys (sinks, then local tokens) of each of `layers`: (Hkv, R, D) each."""
-        return [torch.cat([self.layers[i].sink_k, self.layers[i].local_k], dim=1) for i in layers]
+    def local_keys(self, layers: list[int]) -> list[torch.Tensor]:
+        """The local window's keys (the sinks not included) of each of `layers`: (Hkv, L, D) each."""
+        return [self.layers[i].local_k for i in layers]
 
     # ------------------------------------------------------------------ persistence
     def snapshot(self) -> dict[str, Any]:

@@ -21,8 +21,12 @@ So a question is matched in two steps:
    thousand identical filler events, and a sentence cut in two by a boundary from losing to a whole one.
 
 The best `answer_hits` events, with their temporal neighbours up to the answer budget, are then
-what every layer attends to while the answer is written, unless the resident window (sinks and local
-text) matches the question better by more than `window_margin`: then the answer recalls nothing.
+what every layer attends to while the answer is written, unless the local window matches the
+question better by more than `window_margin`: then the answer recalls nothing. The sinks are not
+compared: every answer reads them, whatever it recalls, and a document's opening (a title, an
+instruction) shares a question's wording more than its answer does. Measured on InfiniteBench's kv
+through chat: "What is the value associated with the key "..."?" matched the sinks' "Extract the value
+corresponding to the specified key" better than every event, and recalled nothing in 70 of 70.
 `assess` matches a question (`QuestionMatch`); `plan_answer` turns a match into a `RecallPlan`, which
 the engine's steps take as an argument. How many hits, how many tokens and how much of the window
 an answer takes (theta) is `answering`'s choice, after `retrieval.allocation`.
@@ -75,13 +79,13 @@ class RecallPlan:
 
 @dataclass(frozen=True)
 class QuestionMatch:
-    """A question matched against memory: its hits, every candidate's score, and the resident window's."""
+    """A question matched against memory: its hits, every candidate's score, and the local window's."""
 
     hits: tuple[tuple[int, float], ...]  # (event id, score), best first, no two within match_neighbours
     scores: tuple[float, ...]  # the span score of every re-ranked candidate (what informativeness reads)
-    window: float  # the best piece of the resident window, scored the same way (-inf: nothing to compare)
-    window_piece: tuple[int, int] | None = None  # that piece: [start, end) in the resident keys (sinks first)
-    window_centre: int | None = None  # where in the resident keys the question matches that piece best
+    window: float  # the best piece of the local window, scored the same way (-inf: nothing to compare)
+    window_piece: tuple[int, int] | None = None  # that piece: [start, end) in the local keys
+    window_centre: int | None = None  # where in the local keys the question matches that piece best
     keys: torch.Tensor | None = field(default=None, compare=False)  # (S, Hkv, C, D) the question's, as matched
     layers: tuple[int, ...] = ()  # the summary layers of `keys`
 
@@ -106,22 +110,22 @@ def assess(
     question_keys: torch.Tensor,  # (S, Hkv, C, D) the question's pre-RoPE keys at the summary layers
     layers: Sequence[int],  # the summary layers
     recalled_per_layer: Iterable[list[int]],  # what each layer's query recall chose for the probed prompt
-    resident_keys: Sequence[torch.Tensor],  # (Hkv, R, D) per summary layer: sinks and local window
+    local_keys: Sequence[torch.Tensor],  # (Hkv, L, D) per summary layer: the local window, no sinks
     cfg: RecallConfig,
     k: int,  # hits to keep
 ) -> QuestionMatch:
-    """The question's best `k` hits, the scores of all candidates, and what the resident window offers
+    """The question's best `k` hits, the scores of all candidates, and what the local window offers
     (cut into pieces as long as the spans of the first `answer_hits` hits, whatever `k`)."""
     voted = _voted(recalled_per_layer, cfg)
     hits, scores = rank_question(memory, question_keys, layers, k, cfg.rerank_candidates, also=voted,
                                  neighbours=cfg.match_neighbours)
-    window, piece, centre = window_score(memory, hits[: cfg.answer_hits], resident_keys, question_keys,
+    window, piece, centre = window_score(memory, hits[: cfg.answer_hits], local_keys, question_keys,
                                          cfg.match_neighbours)
     return QuestionMatch(tuple(hits), tuple(scores), window, piece, centre, question_keys, tuple(layers))
 
 
 def window_answers(matched: QuestionMatch, cfg: RecallConfig) -> bool:
-    """Whether a piece of the resident window matches the question better than its best event does, by more
+    """Whether a piece of the local window matches the question better than its best event does, by more
     than `window_margin`: then the answer should read the window (the whole of it, or for a chosen theta
     that piece: `Answerer.window_piece_plan`), and no memory."""
     return bool(matched.hits) and matched.window > matched.hits[0][1] + cfg.window_margin
@@ -137,7 +141,7 @@ def plan_answer(
     window_from: int | None = None,  # the oldest local token attended (None: the whole window)
 ) -> RecallPlan:
     """The events an answer attends to: the best `k` hits and their neighbours in time, or nothing when the
-    whole resident window is attended and matches the question better (memory would only crowd it:
+    whole local window is attended and matches the question better (memory would only crowd it:
     measured, a passkey in the window answered with 512 recalled filler tokens was lost, with none found)."""
     hits = matched.hits[: cfg.answer_hits if k is None else k]
     if not hits:
@@ -181,25 +185,25 @@ def match(
 def window_score(
     memory: EventMemory,
     matches: Sequence[tuple[int, float]],
-    resident_keys: Sequence[torch.Tensor],  # (Hkv, R, D) per summary layer
+    local_keys: Sequence[torch.Tensor],  # (Hkv, L, D) per summary layer
     question_keys: torch.Tensor,  # (S, Hkv, C, D)
     neighbours: int,
 ) -> tuple[float, tuple[int, int] | None, int | None]:
-    """The best score of a piece of the resident window, cut into pieces as long as the matched spans, where
-    that piece lies ([start, end) in the resident keys) and where in it the question matches (the median
+    """The best score of a piece of the local window, cut into pieces as long as the matched spans, where
+    that piece lies ([start, end) in the local keys) and where in it the question matches (the median
     position of the tokens that best match each question token at each layer, as `centred_parts` finds it
     in a hit): what the window offers, measured the way the events were (-inf, None, None when there is
     nothing to compare)."""
-    if not matches or question_keys.shape[2] == 0 or resident_keys[0].shape[1] == 0:
+    if not matches or question_keys.shape[2] == 0 or local_keys[0].shape[1] == 0:
         return float("-inf"), None, None
     span_tokens = sum(memory.event(m).length for e, _ in matches for m in match_span(memory, e, neighbours))
     span_tokens = max(1, round(span_tokens / len(matches)))
-    n_resident = resident_keys[0].shape[1]
-    owner = torch.arange(n_resident) // span_tokens  # (R,)
-    scores = token_match(resident_keys, owner, int(owner[-1]) + 1, question_keys)  # (pieces,)
+    n_local = local_keys[0].shape[1]
+    owner = torch.arange(n_local) // span_tokens  # (L,)
+    scores = token_match(local_keys, owner, int(owner[-1]) + 1, question_keys)  # (pieces,)
     best = int(scores.argmax())
-    start, end = best * span_tokens, min(n_resident, (best + 1) * span_tokens)
-    positions = best_positions([keys[:, start:end] for keys in resident_keys], question_keys)  # (S * C,)
+    start, end = best * span_tokens, min(n_local, (best + 1) * span_tokens)
+    positions = best_positions([keys[:, start:end] for keys in local_keys], question_keys)  # (S * C,)
     return float(scores[best]), (start, end), start + int(positions.float().median())
 
 
