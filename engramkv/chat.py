@@ -28,7 +28,7 @@ A reply ends before a sentence or line that comes back for the `GenerationConfig
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +162,18 @@ def shown(turn: Turn, pieces: Iterable[str]) -> Iterator[str]:
     if turn.reply_start:
         yield turn.reply_start
     yield from pieces
+
+
+def kept(pieces: Iterable[str], reply: Generator[str, None, None]) -> Generator[str, None, str]:
+    """Yield `pieces` (what is shown of `reply`) and return their text; close `reply` (its tokens read the stream)."""
+    shown_pieces = []
+    try:
+        for piece in pieces:
+            shown_pieces.append(piece)
+            yield piece
+    finally:
+        reply.close()
+    return "".join(shown_pieces)
 
 
 def list_items(pieces: Iterable[str]) -> Iterator[str]:

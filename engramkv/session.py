@@ -13,7 +13,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -202,12 +202,14 @@ class Session:
         `chat` takes them. Like `chat`'s, the text ends before a sentence's third return (`generation.repeat_stop`).
         """
         ids, span = chat.encode_prompt(self.lm.tokenizer, prompt, question)
-        pieces = self._reply(ids, max_new_tokens, question_span=span, budget_tokens=budget_tokens, theta=theta)
+        pieces = _held(self._exclusive("generate"), self._reply(ids, max_new_tokens, question_span=span,
+                                                                budget_tokens=budget_tokens, theta=theta))
         return pieces if stream else "".join(pieces)
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> list[int]:
         """Greedy/temperature continuation on token ids; returns the new ids (stops at EOS)."""
-        return list(self._generate(prompt_ids, max_new_tokens))
+        with self._exclusive("generate"):
+            return list(self._generate(prompt_ids, max_new_tokens))
 
     def chat(self, message: str, stream: bool = False, max_new_tokens: int | None = None,
              budget_tokens: int | None = None, theta: Theta | None = None) -> Any:
@@ -225,24 +227,22 @@ class Session:
             raise InputError(f"chat takes a str message, got {type(message).__name__}")
         if not message.strip():
             raise EmptyInputError("empty chat message")
-        pieces = self._chat_pieces(message, max_new_tokens, budget_tokens, theta)
+        pieces = _held(self._exclusive("chat"), self._chat_pieces(message, max_new_tokens, budget_tokens, theta))
         return pieces if stream else "".join(pieces)
 
     def _chat_pieces(self, message: str, max_new_tokens: int | None, budget_tokens: int | None,
-                     theta: Theta | None, allocated: bool = False) -> Iterator[str]:  # allocated: ask_many's theta
+                     theta: Theta | None, allocated: bool = False) -> Generator[str, None, None]:  # caller holds
         turn = chat.chat_turn(self.lm.tokenizer, self.cfg.generation, self._reader.chat_history, message,
                               list_room=_list_room(self.cfg, self.lm.spec, max_new_tokens))
         pieces = self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text, turn.question_span,
                              budget_tokens, theta, allocated, turn.reply_start, draft=turn.listed is not None)
-        reply = yield from _kept(chat.shown(turn, pieces), pieces)
+        reply = yield from chat.kept(chat.shown(turn, pieces), pieces)
         if turn.listed is not None:  # the turn as shown joins the stream: the question, then the list's items
-            with self._exclusive("chat"):
-                ids = turn.prompt_ids[: turn.listed] + chat.reply_ids(self.lm.tokenizer, turn, reply)
-                self._reader.flush(self.last_plan, token_ids=ids)
+            ids = turn.prompt_ids[: turn.listed] + chat.reply_ids(self.lm.tokenizer, turn, reply)
+            self._reader.flush(self.last_plan, token_ids=ids)
         self._reader.chat_history += [{"role": "user", "content": message}, {"role": "assistant", "content": reply}]
         if self.memory.persistent:
-            with self._exclusive("commit"):
-                self._reader.commit()
+            self._reader.commit()
 
     def _reply(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                stop_text: str | None = None, question_span: tuple[int, int] | None = None,
@@ -262,8 +262,8 @@ class Session:
                   draft: bool = False) -> Generator[int, None, None]:
         """With `question_span` (the question's tokens within `prompt_ids`) and question_match = "keys",
         every layer attends to the events that match the question while the answer is read and written,
-        under inference parameters `theta` (default: the allocation's choice, `answering`). `draft`: the prompt
-        and the reply are a draft (`Reader.reading`), gone from the stream after the reply."""
+        under inference parameters `theta` (default: the allocation's choice, `answering`). `draft`: the prompt and
+        the reply are a draft (`Reader.reading`), gone from the stream after the reply. The caller holds the session."""
         if not prompt_ids and self._reader.tokens == 0:
             raise EmptyInputError("nothing to continue: empty prompt and empty session")
         if budget_tokens is not None and budget_tokens < 0:
@@ -273,18 +273,17 @@ class Session:
         generation, recall = self.cfg.generation, self.cfg.recall
         max_new = max_new_tokens if max_new_tokens is not None else generation.max_new_tokens
         stop = chat.stop_ids(self.lm.tokenizer)
-        with self._exclusive("generate"):
-            limit = budget_tokens if budget_tokens is not None else recall.answer_context_tokens
-            matching = recall.enabled and recall.question_match == "keys" and len(self.memory) > 0
-            plan = self.last_plan = self._answerer.read_turn(self._reader, prompt_ids, preamble_ids,
-                                                             question_span if matching else None, limit, theta,
-                                                             allocated)
-            self.last_recalled = recalled_events(self.memory, self.lm.tokenizer.decode, list(plan.hits))
-            with self._reader.reading(plan, prompt_ids, draft):
-                if question_span is not None and plan.events is None:
-                    self.last_recalled = _attended_events(self.state, self.memory, self.lm.tokenizer)
-                yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),
-                                       max_new, stop, generation)
+        limit = budget_tokens if budget_tokens is not None else recall.answer_context_tokens
+        matching = recall.enabled and recall.question_match == "keys" and len(self.memory) > 0
+        plan = self.last_plan = self._answerer.read_turn(self._reader, prompt_ids, preamble_ids,
+                                                         question_span if matching else None, limit, theta,
+                                                         allocated)
+        self.last_recalled = recalled_events(self.memory, self.lm.tokenizer.decode, list(plan.hits))
+        with self._reader.reading(plan, prompt_ids, draft):
+            if question_span is not None and plan.events is None:
+                self.last_recalled = _attended_events(self.state, self.memory, self.lm.tokenizer)
+            yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),
+                                   max_new, stop, generation)
 
     def ask_many(self, questions: Sequence[str], total_tokens: int, max_new_tokens: int | None = None) -> list[Answer]:
         """Answer `questions` as chat turns, in order, their effective context (`RecallPlan.context_tokens`) together
@@ -299,12 +298,12 @@ class Session:
             recall = self.cfg.recall
             matching = recall.enabled and recall.question_match == "keys" and len(self.memory) > 0
             chosen = answering.allocate_turns(self._answerer, self._reader, questions, total_tokens, matching)
-        answers = []
-        for message, (theta, limit) in zip(questions, chosen):
-            text = "".join(self._chat_pieces(message, max_new_tokens, limit, theta, allocated=theta is not None))
-            plan = self.last_plan
-            answers.append(Answer(question=message, text=text, theta=plan.theta and dataclasses.asdict(plan.theta),
-                                  context_tokens=plan.context_tokens, recalled=self.last_recalled))
+            answers = []
+            for message, (theta, limit) in zip(questions, chosen):
+                text = "".join(self._chat_pieces(message, max_new_tokens, limit, theta, allocated=theta is not None))
+                plan = self.last_plan
+                answers.append(Answer(question=message, text=text, context_tokens=plan.context_tokens,
+                                      theta=plan.theta and dataclasses.asdict(plan.theta), recalled=self.last_recalled))
         return answers
 
     def refresh(self) -> int:
@@ -354,23 +353,18 @@ class Session:
         return _stats(self.lm.spec.model_id, self.memory, self.state, self._reader)
 
 
+def _held(hold: AbstractContextManager[None], pieces: Generator[str, None, Any]) -> Generator[str, None, None]:
+    """`pieces` within `hold` (a session's `_exclusive`), entered at the first and left when the stream ends or is
+    closed: a streamed turn, its record in the stream and its commit included, is one call on the session."""
+    with hold:
+        yield from pieces
+
+
 def _list_room(cfg: EngineConfig, spec: ModelSpec, max_new_tokens: int | None) -> int:
     """The most tokens a prompt may take to be answered from a drafted list: a draft seals nothing, so its window
     grows by the prompt (the span allows a chunk) and the reply (none where that reaches past the trained length)."""
     max_new = max_new_tokens if max_new_tokens is not None else cfg.generation.max_new_tokens
     return cfg.window.chunk_size if cfg.attention_span(max_new) <= spec.trained_length else 0
-
-
-def _kept(pieces: Iterable[str], reply: Generator[str, None, None]) -> Generator[str, None, str]:
-    """Yield `pieces` (what is shown of `reply`) and return their text; close `reply`, which holds the session."""
-    kept = []
-    try:
-        for piece in pieces:
-            kept.append(piece)
-            yield piece
-    finally:
-        reply.close()
-    return "".join(kept)
 
 
 def _stats(model_id: str, memory: PersistentMemory, state: EpisodicState, reader: Reader) -> SessionStats:

@@ -158,6 +158,22 @@ def test_a_busy_session_refuses_a_second_call():
     session.ingest("1 2 3")  # free again once the reply is done
 
 
+@pytest.mark.parametrize("message", ["4 5 6", "What are all the pass keys?"])  # the second is drafted as a list
+def test_a_streamed_turn_holds_the_session_until_its_last_piece(message):
+    from engramkv import SessionError
+
+    _, lm = tiny_pair("llama", CFG)
+    session = lm.session()
+    session.ingest(" ".join(str(i % 50 + 1) for i in range(300)))
+    pieces = 0
+    for _ in session.chat(message, stream=True, max_new_tokens=12):
+        pieces += 1
+        with pytest.raises(SessionError, match="busy"):  # nothing may come between the reply and the turn's record
+            session.ingest("1 2 3")
+    assert pieces and session._reader.chat_history[-2:][0] == {"role": "user", "content": message}
+    session.ingest("1 2 3")
+
+
 @pytest.mark.parametrize("chat_format", ["qa", "template"])
 def test_chat_turns_join_the_stream(chat_format):
     config = CFG.model_copy(update={"generation": CFG.generation.model_copy(update={"chat_format": chat_format})})
