@@ -100,10 +100,29 @@ def chat_turn(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str
                 len(ids) if listed else None)
 
 
-def reply_ids(tokenizer: Any, turn: Turn, reply: str) -> list[int]:
-    """The ids a drafted list's `reply` adds to the stream after its turn's question: its text, and in the template
-    format the end of the turn (a written reply's stop token, read as the reply ended)."""
-    return encode(tokenizer, reply) + (sorted(stop_ids(tokenizer)) if turn.stop_text is None else [])
+def closing_ids(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str]], message: str, turn: Turn,
+                reply: str, last_read: int | None) -> list[int]:
+    """What the stream reads once `turn` (asking `message` after `history`) has been answered with `reply`, as
+    shown: a drafted list's question and `reply` (the draft itself is gone from the stream), then the end of the
+    turn the template writes after a reply (`turn_end`), less the stop token the model read last (`last_read`)."""
+    end = encode(tokenizer, turn_end(tokenizer, cfg, history, message, reply))
+    if turn.listed is not None:
+        return turn.prompt_ids[: turn.listed] + encode(tokenizer, reply) + end
+    return end[1:] if end and end[0] == last_read else end
+
+
+def turn_end(tokenizer: Any, cfg: GenerationConfig, history: list[dict[str, str]], message: str, reply: str) -> str:
+    """The text the chat template writes after the assistant's `reply` to `message` ("<|im_end|>\\n" in ChatML), so
+    that a reply cut short (by the token limit, a repeat, the caller) ends its turn as a finished one does; "" in
+    the qa format, where the next turn's blank line ends a reply."""
+    if cfg.chat_format == "qa":
+        return ""
+    asked = [*history, {"role": "user", "content": message}]
+    before = tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=False)
+    after = tokenizer.apply_chat_template([*asked, {"role": "assistant", "content": reply}], tokenize=False)
+    written, text = (after[len(before):] if after.startswith(before) else ""), reply.strip()
+    found = written.rfind(text) if text else 0
+    return written[found + len(text):] if found >= 0 else ""
 
 
 ANSWER_FORMS = 2  # the answer start's rules, numbered: 2 drafts the list that answers "What are all X?"
@@ -164,16 +183,15 @@ def shown(turn: Turn, pieces: Iterable[str]) -> Iterator[str]:
     yield from pieces
 
 
-def kept(pieces: Iterable[str], reply: Generator[str, None, None]) -> Generator[str, None, str]:
-    """Yield `pieces` (what is shown of `reply`) and return their text; close `reply` (its tokens read the stream)."""
-    shown_pieces = []
+def kept(pieces: Iterable[str], reply: Generator[str, None, None], shown: list[str]) -> Iterator[str]:
+    """Yield `pieces` (what is shown of `reply`), each also appended to `shown`; close `reply` (its tokens read
+    the stream) when they end or the caller stops reading."""
     try:
         for piece in pieces:
-            shown_pieces.append(piece)
+            shown.append(piece)
             yield piece
     finally:
         reply.close()
-    return "".join(shown_pieces)
 
 
 def list_items(pieces: Iterable[str]) -> Iterator[str]:

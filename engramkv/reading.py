@@ -71,6 +71,12 @@ class Reader:
             ids, self.pending = self.pending, []
             self._read(ids, plan, run, progress)
 
+    def end_turn(self, plan: RecallPlan | None, message: str, reply: str, token_ids: Sequence[int]) -> None:
+        """Close a chat turn: read `token_ids` (how it ends in the stream), add it to the chat, commit."""
+        self.flush(plan, token_ids=token_ids)
+        self.chat_history += [{"role": "user", "content": message}, {"role": "assistant", "content": reply}]
+        self.commit()
+
     def read_file(self, run: IngestRun, tokenizer: Any, progress: ProgressCallback | None) -> None:
         """Read the rest of `run`'s file and commit it; Ctrl-C (under `run.interruptible`) commits first, then
         raises `KeyboardInterrupt`."""

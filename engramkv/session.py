@@ -8,6 +8,7 @@ no-ops), and answers: a question is probed against memory, turned into a `Recall
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import threading
@@ -236,13 +237,13 @@ class Session:
                               list_room=_list_room(self.cfg, self.lm.spec, max_new_tokens))
         pieces = self._reply(turn.prompt_ids, max_new_tokens, turn.preamble_ids, turn.stop_text, turn.question_span,
                              budget_tokens, theta, allocated, turn.reply_start, draft=turn.listed is not None)
-        reply = yield from chat.kept(chat.shown(turn, pieces), pieces)
-        if turn.listed is not None:  # the turn as shown joins the stream: the question, then the list's items
-            ids = turn.prompt_ids[: turn.listed] + chat.reply_ids(self.lm.tokenizer, turn, reply)
-            self._reader.flush(self.last_plan, token_ids=ids)
-        self._reader.chat_history += [{"role": "user", "content": message}, {"role": "assistant", "content": reply}]
-        if self.memory.persistent:
-            self._reader.commit()
+        shown: list[str] = []
+        with contextlib.suppress(GeneratorExit):  # a caller that stops reading ends the turn where it stopped
+            yield from chat.kept(chat.shown(turn, pieces), pieces, shown)
+        reply, history = "".join(shown), self._reader.chat_history
+        ids = chat.closing_ids(self.lm.tokenizer, self.cfg.generation, history, message, turn, reply,
+                               self.state.stream.last_token)
+        self._reader.end_turn(self.last_plan, message, reply, ids)
 
     def _reply(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                stop_text: str | None = None, question_span: tuple[int, int] | None = None,

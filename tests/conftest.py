@@ -47,6 +47,17 @@ class IntTokenizer:
         return rendered + (" 2" if add_generation_prompt else "")
 
 
+class EndingTokenizer(IntTokenizer):
+    """An IntTokenizer whose template ends an assistant's turn with its stop token 3, as ChatML's <|im_end|> does."""
+
+    eos_token_id = 3
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
+        rendered = "".join(f" {1 if m['role'] == 'user' else 2} {m['content']}" + (" 3" if m["role"] == "assistant" else "")
+                           for m in messages)
+        return rendered + (" 2" if add_generation_prompt else "")
+
+
 def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     common = dict(

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from engramkv import EngineConfig, chat
 from engramkv.config import GenerationConfig, RecallConfig, SegmentationConfig, WindowConfig
 
-from conftest import IntTokenizer, tiny_pair
+from conftest import EndingTokenizer, IntTokenizer, tiny_pair
 
 OPENER = " The numbers are" + chat.LIST_OPENER
 
@@ -59,14 +59,18 @@ def test_only_an_echoed_question_for_all_is_listed(chat_format, lead):
         assert chat.chat_turn(IntTokenizer(), other, [], "What are all the pass keys?").listed is None
 
 
-def test_a_template_reply_read_back_ends_its_turn_as_a_written_one_does():
-    class WithEos(IntTokenizer):
-        eos_token_id = 3
-
-    template = chat.chat_turn(WithEos(), GenerationConfig(chat_format="template"), [], "What are all the keys?")
-    qa = chat.chat_turn(WithEos(), GenerationConfig(chat_format="qa"), [], "What are all the keys?")
-    assert chat.reply_ids(WithEos(), template, " 5 6") == [5, 6, 3]
-    assert chat.reply_ids(WithEos(), qa, " 5 6") == [5, 6]  # the next turn's blank line ends it
+def test_a_turn_ends_in_the_stream_as_the_template_writes_it():
+    template, qa = GenerationConfig(chat_format="template"), GenerationConfig(chat_format="qa")
+    asked = "What are all the keys?"
+    for generation, end in ((template, [3]), (qa, [])):  # qa: the next turn's blank line ends it
+        listed = chat.chat_turn(EndingTokenizer(), generation, [], asked)
+        ids = chat.closing_ids(EndingTokenizer(), generation, [], asked, listed, " 5 6", None)
+        assert ids == listed.prompt_ids[: listed.listed] + [5, 6] + end  # the draft is gone: question and items
+    plain = chat.chat_turn(EndingTokenizer(), template, [], "4 5")
+    assert chat.closing_ids(EndingTokenizer(), template, [], "4 5", plain, " 7", last_read=7) == [3]  # cut short
+    assert chat.closing_ids(EndingTokenizer(), template, [], "4 5", plain, " 7", last_read=3) == []  # stopped
+    assert chat.closing_ids(EndingTokenizer(), template, [], "4 5", plain, "", last_read=2) == [3]  # nothing said
+    assert chat.turn_end(IntTokenizer(), template, [], "4 5", " 7") == ""  # a template that writes no end
 
 
 def test_no_list_is_drafted_where_the_reply_could_pass_the_trained_length():

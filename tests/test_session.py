@@ -6,7 +6,7 @@ import torch
 from engramkv import EmptyInputError, EngineConfig, InputError
 from engramkv.config import RecallConfig, SegmentationConfig, WindowConfig
 
-from conftest import VOCAB, tiny_pair
+from conftest import VOCAB, EndingTokenizer, tiny_model, tiny_pair
 
 CFG = EngineConfig(
     window=WindowConfig(chunk_size=32, n_sink=8, n_local=64),
@@ -172,6 +172,25 @@ def test_a_streamed_turn_holds_the_session_until_its_last_piece(message):
             session.ingest("1 2 3")
     assert pieces and session._reader.chat_history[-2] == {"role": "user", "content": message}
     session.ingest("1 2 3")
+
+
+@pytest.mark.parametrize("message", ["4 5 6", "What are all the pass keys?"])
+def test_a_streamed_turn_closed_early_joins_the_chat_as_far_as_it_was_shown(message):
+    from engramkv import EpisodicLM
+
+    config = CFG.model_copy(update={"generation": CFG.generation.model_copy(update={"chat_format": "template"})})
+    lm = EpisodicLM(tiny_model("llama"), EndingTokenizer(), "tiny-llama", config)
+    session = lm.session()
+    session.ingest(" ".join(str(i % 50 + 4) for i in range(300)))
+    reply = session.chat(message, stream=True, max_new_tokens=12)
+    shown = next(reply) + next(reply)
+    reply.close()  # as a caller who has read enough
+    assert session._reader.chat_history == [{"role": "user", "content": message},
+                                            {"role": "assistant", "content": shown}]
+    assert session.state.stream.last_token == EndingTokenizer.eos_token_id  # the turn ended as the template ends one
+    session.chat("7 8", max_new_tokens=5)  # the session is free, and the next turn follows a whole one
+    assert session._reader.chat_history[-2:][0] == {"role": "user", "content": "7 8"}
+    assert session.state.stream.last_token == EndingTokenizer.eos_token_id
 
 
 @pytest.mark.parametrize("chat_format", ["qa", "template"])

@@ -66,6 +66,12 @@ class Stream:
     def n_tokens(self) -> int:
         return self.local_start + int(self.tail_tokens.numel())
 
+    @property
+    def last_token(self) -> int | None:
+        """The id of the stream's last token (None while it is empty)."""
+        tokens = self.tail_tokens if self.tail_tokens.numel() else self.sink_tokens
+        return int(tokens[-1]) if tokens.numel() else None
+
     def recent_surprise(self) -> tuple[list[float], list[int]]:
         """Surprise of the local tokens, and where events start among them (indices into that list)."""
         values = self.local_surprise.tolist()
