@@ -22,7 +22,10 @@ memory is a form the embedded model copies into later answers. "list" begins the
 are X?" as a bulleted list, kept as written; not the default, for that copying.
 
 A reply ends before a sentence or line that comes back for the `GenerationConfig.repeat_stop`-th time
-(`until_repeat`), the cut the evaluation's scorer makes (`cut_repeats`), so a reply reads as it is scored.
+(`until_repeat`), the cut the evaluation's scorer makes (`cut_repeats`), so a reply reads as it is scored; a
+drafted list's last line, if the token limit cut it, is left out. However a reply ends (the model's stop token, the
+token limit, a repeat, a caller that stops reading), its turn then ends in the stream as the template ends a
+finished one (`closing_ids`), and the chat history records the reply as shown.
 """
 
 from __future__ import annotations
@@ -307,19 +310,40 @@ def until_repeat(pieces: Iterable[str], times: int, before: str = "") -> Iterato
         yield text[emitted:]
 
 
-def reply_text(tokenizer: Any, tokens: Iterator[int], stop_text: str | None, repeat_stop: int | None,
-               reply_start: str = "") -> Iterator[str]:
+def reply_text(tokenizer: Any, tokens: Generator[int, None, bool], stop_text: str | None, repeat_stop: int | None,
+               reply_start: str = "", whole_lines: bool = False) -> Generator[str, None, None]:
     """The decoded pieces of a reply begun with `reply_start`: `stream_text`, then `until_repeat` unless
-    `repeat_stop` is None."""
-    pieces = stream_text(tokenizer, tokens, stop_text)
-    return pieces if repeat_stop is None else until_repeat(pieces, repeat_stop, reply_start)
+    `repeat_stop` is None; `tokens` (`sample`'s) closed when they end or the caller stops reading. `whole_lines`:
+    a last line the token limit cut off is not yielded (a list's last item, half written)."""
+    ended: list[bool] = []  # what `tokens` returned, once they ran out: True where the model ended the reply
+
+    def read() -> Generator[int, None, None]:
+        ended.append((yield from tokens))
+
+    try:
+        pieces = stream_text(tokenizer, read(), stop_text)
+        pieces = pieces if repeat_stop is None else until_repeat(pieces, repeat_stop, reply_start)
+        if not whole_lines:
+            yield from pieces
+            return
+        held = ""
+        for piece in pieces:
+            held += piece
+            if (cut := held.rfind("\n") + 1) > 0:
+                yield held[:cut]
+                held = held[cut:]
+        if held and ended != [False]:  # []: the reply ended at its stop text or a repeat, not at the limit
+            yield held
+    finally:
+        tokens.close()
 
 
 def sample(logits: torch.Tensor | None, decode: Callable[[int], torch.Tensor], limit: int, stop: set[int],
-           cfg: GenerationConfig) -> Iterator[int]:
+           cfg: GenerationConfig) -> Generator[int, None, bool]:
     """Up to `limit` new tokens: pick one from `logits` (V,), read it with `decode` (which returns the next
     logits, (1, V)), and so on; a stop token is read but not yielded, and ends the reply. Before
-    `cfg.min_new_tokens` tokens no stop token is picked."""
+    `cfg.min_new_tokens` tokens no stop token is picked. Returns True where a stop token ended the reply, False
+    where `limit` did."""
     generator = torch.Generator().manual_seed(cfg.seed)
     masked = sorted(stop)
     for step in range(limit):
@@ -331,8 +355,9 @@ def sample(logits: torch.Tensor | None, decode: Callable[[int], torch.Tensor], l
         token = pick(logits, cfg.temperature, generator)
         logits = decode(token)[-1]
         if token in stop:
-            return
+            return True
         yield token
+    return False
 
 
 def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:  # logits (V,)

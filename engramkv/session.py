@@ -250,17 +250,14 @@ class Session:
                budget_tokens: int | None = None, theta: Theta | None = None, allocated: bool = False,
                reply_start: str = "", draft: bool = False) -> Generator[str, None, None]:
         tokens = self._generate(prompt_ids, max_new_tokens, preamble_ids, question_span, budget_tokens, theta,
-                                allocated, draft)
-        try:
-            yield from chat.reply_text(self.lm.tokenizer, tokens, stop_text, self.cfg.generation.repeat_stop,
-                                       reply_start)
-        finally:
-            tokens.close()  # releases the session even when the caller stops early
+                                allocated, draft)  # a draft is a list: its last item must be whole
+        return chat.reply_text(self.lm.tokenizer, tokens, stop_text, self.cfg.generation.repeat_stop, reply_start,
+                               whole_lines=draft)
 
     def _generate(self, prompt_ids: list[int], max_new_tokens: int | None, preamble_ids: Sequence[int] = (),
                   question_span: tuple[int, int] | None = None, budget_tokens: int | None = None,
                   theta: Theta | None = None, allocated: bool = False,
-                  draft: bool = False) -> Generator[int, None, None]:
+                  draft: bool = False) -> Generator[int, None, bool]:
         """With `question_span` (the question's tokens within `prompt_ids`) and question_match = "keys",
         every layer attends to the events that match the question while the answer is read and written,
         under inference parameters `theta` (default: the allocation's choice, `answering`). `draft`: the prompt and
@@ -283,8 +280,8 @@ class Session:
         with self._reader.reading(plan, prompt_ids, draft):
             if question_span is not None and plan.events is None:
                 self.last_recalled = _attended_events(self.state, self.memory, self.lm.tokenizer)
-            yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),
-                                   max_new, stop, generation)
+            return (yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),
+                                           max_new, stop, generation))
 
     def ask_many(self, questions: Sequence[str], total_tokens: int, max_new_tokens: int | None = None) -> list[Answer]:
         """Answer `questions` as chat turns, in order, their effective context (`RecallPlan.context_tokens`) together

@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engramkv import EngineConfig, chat
+from engramkv import EngineConfig, EpisodicLM, chat
 from engramkv.config import GenerationConfig, RecallConfig, SegmentationConfig, WindowConfig
 
-from conftest import EndingTokenizer, IntTokenizer, tiny_pair
+from conftest import EndingTokenizer, IntTokenizer, tiny_model, tiny_pair
 
 OPENER = " The numbers are" + chat.LIST_OPENER
 
@@ -90,8 +90,15 @@ CFG = EngineConfig(
 )
 
 
+class LineTokenizer(IntTokenizer):
+    """An IntTokenizer whose ids divisible by 8 are new lines, so a random model's list has whole items."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("\n" if i % 8 == 0 else f" {i}" for i in ids)
+
+
 def test_the_stream_keeps_the_sentence_and_forgets_the_draft():
-    _, lm = tiny_pair("llama", CFG)
+    lm = EpisodicLM(tiny_model("llama"), LineTokenizer(), "tiny-llama", CFG)
     listed, twin = lm.session(), lm.session()
     text = " ".join(str(i % 50 + 1) for i in range(300))  # past the local window: events are sealed
     listed.ingest(text)
@@ -149,3 +156,17 @@ def test_a_draft_with_recall_on_leaves_the_stream_as_it_was():
             assert torch.equal(before[key], after[key])
         else:
             assert before[key] == after[key], key
+
+
+@pytest.mark.parametrize("model_ended, shown", [(True, " 5\n 6"), (False, " 5\n")])
+def test_a_list_cut_by_the_token_limit_loses_its_half_written_last_item(model_ended, shown):
+    def tokens():  # what `chat.sample` yields: "5", a new line, "6", then how the reply ended
+        yield from (5, 10, 6)
+        return model_ended
+
+    class Lines(IntTokenizer):
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join("\n" if i == 10 else f" {i}" for i in ids)
+
+    assert "".join(chat.reply_text(Lines(), tokens(), None, None, whole_lines=True)) == shown
+    assert "".join(chat.reply_text(Lines(), tokens(), None, None)) == " 5\n 6"  # a plain reply is shown as cut
