@@ -104,7 +104,7 @@ class Reader:
             self.flush(plan, token_ids=token_ids)
             yield
             return
-        saved, pending, uncommitted = self.state.snapshot(), list(self.pending), self._uncommitted
+        saved, pending, uncommitted = self.state.snapshot(host=False), list(self.pending), self._uncommitted
         self._draft = True
         try:
             self.flush(plan, token_ids=token_ids)

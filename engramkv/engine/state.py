@@ -270,22 +270,24 @@ class EpisodicState:
         return [torch.cat([self.layers[i].sink_k, self.layers[i].local_k], dim=1) for i in layers]
 
     # ------------------------------------------------------------------ persistence
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, host: bool = True) -> dict[str, Any]:
         """Everything but the event memory, as tensors and plain values (what a store checkpoints).
 
-        Resident keys and values stay in the model's dtype, so a restored stream continues exactly.
+        Resident keys and values stay in the model's dtype, so a restored stream continues exactly. `host`: copied
+        to host RAM (a checkpoint); else copied where they are (a draft's undo: on a GPU, no round trip).
         """
+        where = torch.device("cpu") if host else self.device
         return {
             **self.stream.snapshot(), "last_logits": self.last_logits,
             # Derived, written for the engramkv versions that held them as counters (they read them back).
             "sink_len": self.stream.sink_len, "tail_start": self.stream.local_start, "events_sealed": len(self.memory),
             "layers": [
                 {
-                    # clone(): the resident tensors are views into larger buffers, and saving a view
+                    # copies: the resident tensors are views into larger buffers, and saving a view
                     # would write the whole buffer.
-                    "sink_k": st.sink_k.cpu().clone(), "sink_v": st.sink_v.cpu().clone(),
-                    "local_k": st.local_k.cpu().clone(), "local_v": st.local_v.cpu().clone(),
-                    "local_attention": st.local_attention.cpu().clone(), "buffer": list(st.buffer),
+                    "sink_k": st.sink_k.to(where, copy=True), "sink_v": st.sink_v.to(where, copy=True),
+                    "local_k": st.local_k.to(where, copy=True), "local_v": st.local_v.to(where, copy=True),
+                    "local_attention": st.local_attention.to(where, copy=True), "buffer": list(st.buffer),
                 }
                 for st in self.layers
             ],
