@@ -19,7 +19,8 @@ Each store's events are also counted per 2,048 tokens of the stream, where its s
 the same document part ways. --no-write-through adds a third ingest, sequential with `store.hot_write_through`
 off (every read of memory through the codec): how far the count moves when only the codec's rounding differs.
 
-Writes benchmarks/results/sharded/NAME.json and .md; --resume keeps the samples already in NAME.json.
+Writes benchmarks/results/sharded/NAME.json and .md; --resume keeps the samples already in NAME.json (with nothing
+left to run, it writes the report again).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import RESULTS, code_state, write_results
+from _common import RESULTS, code_state, command_line, write_results
 from evalkit.systems import RssSampler, _engram_answer
 
 from engramkv import EngineConfig, EpisodicLM, sharding
@@ -81,8 +82,9 @@ def one_sample(lm: EpisodicLM, task: str, length: int, seed: int, workers: int, 
     sample = TASKS[task](lm.tokenizer, length, seed)
     doc = workdir / f"{task}-{seed}.txt"
     doc.write_text("".join(sample.context))
+    # The commit and command per sample: a --resume'd file holds runs of several.
     row: dict[str, Any] = {"task": task, "length": length, "seed": seed, "answers": sample.answers,
-                           **code_state()}  # per sample: a --resume'd file holds runs of several commits
+                           **code_state(), "command": command_line()}
     kinds = [("sequential", 1), ("sharded", workers)] + [("sequential_no_write_through", 1)] * no_write_through
     for kind, n_workers in kinds:
         store = workdir / f"{kind}-{task}-{seed}"
@@ -110,8 +112,13 @@ def one_sample(lm: EpisodicLM, task: str, length: int, seed: int, workers: int, 
     seq, shard = row["sequential"], row["sharded"]
     row["events_ratio"] = round(shard["events"] / seq["events"], 4)
     row["throughput_ratio"] = round(shard["tokens_per_s"] / seq["tokens_per_s"], 3)
-    row["same_replies"] = all(seq[p]["reply"] == shard[p]["reply"] for p in ("prompt", "chat"))
+    row["same_replies"] = _same(row, "sharded")
     return row
+
+
+def _same(row: dict[str, Any], kind: str) -> bool:
+    """Whether the `kind` store's replies are the sequential store's, on both prompt paths."""
+    return all(row["sequential"][p]["reply"] == row[kind][p]["reply"] for p in ("prompt", "chat"))
 
 
 def table(rows: list[dict[str, Any]], workers: int, threads: int) -> str:
@@ -142,6 +149,17 @@ def table(rows: list[dict[str, Any]], workers: int, threads: int) -> str:
                   f"{sum(r['sharded']['prompt']['score'] for r in rows):.0f}, chat "
                   f"{sum(r['sequential']['chat']['score'] for r in rows):.0f} / "
                   f"{sum(r['sharded']['chat']['score'] for r in rows):.0f}."]
+    control = [r for r in rows if "sequential_no_write_through" in r]
+    if control:
+        lines += ["", "The control, sequential with `store.hot_write_through` off (every read of memory through the codec: "
+                  "only rounding differs), against the sequential ingest: events "
+                  + ", ".join(f"{r['sequential_no_write_through']['events'] / r['sequential']['events']:.3f} (seed "
+                              f"{r['seed']})" for r in control)
+                  + f"; replies the same in {sum(_same(r, 'sequential_no_write_through') for r in control)} of "
+                  f"{len(control)}."]
+    commands = list(dict.fromkeys(r["command"] for r in rows if r.get("command")))
+    if commands:
+        lines += ["", "Samples made by " + "; ".join(f"`{c}`" for c in commands) + "."]
     kinds = ["sequential", "sharded", "sequential_no_write_through"]
     lines += ["", "Events by the 2,048-token stretch their span starts in (the last stretch is partial, and ends in the "
               "resident window):", "", "| task | seed | store | events | per 2k tokens |", "|---|---|---|---|---|"]
@@ -179,6 +197,7 @@ def main() -> None:
                 rows.append(one_sample(lm, task, args.length, seed, args.workers, args.threads, workdir,
                                         args.no_write_through))
                 write_results(OUT, args.name, {"samples": rows}, table(rows, args.workers, args.threads), config)
+        write_results(OUT, args.name, {"samples": rows}, table(rows, args.workers, args.threads), config)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
