@@ -41,9 +41,12 @@ class IntTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(f" {i}" for i in ids)
 
+    turn_end = ""  # what the template writes after an assistant's content
+
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
         # A "template": each turn is its role id (1 user, 2 assistant) followed by its content.
-        rendered = "".join(f" {1 if m['role'] == 'user' else 2} {m['content']}" for m in messages)
+        rendered = "".join(f" {1 if m['role'] == 'user' else 2} {m['content']}"
+                           + (self.turn_end if m["role"] == "assistant" else "") for m in messages)
         return rendered + (" 2" if add_generation_prompt else "")
 
 
@@ -51,11 +54,7 @@ class EndingTokenizer(IntTokenizer):
     """An IntTokenizer whose template ends an assistant's turn with its stop token 3, as ChatML's <|im_end|> does."""
 
     eos_token_id = 3
-
-    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
-        rendered = "".join(f" {1 if m['role'] == 'user' else 2} {m['content']}" + (" 3" if m["role"] == "assistant" else "")
-                           for m in messages)
-        return rendered + (" 2" if add_generation_prompt else "")
+    turn_end = " 3"
 
 
 def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:

@@ -189,7 +189,7 @@ def test_a_streamed_turn_closed_early_joins_the_chat_as_far_as_it_was_shown(mess
                                             {"role": "assistant", "content": shown}]
     assert session.state.stream.last_token == EndingTokenizer.eos_token_id  # the turn ended as the template ends one
     session.chat("7 8", max_new_tokens=5)  # the session is free, and the next turn follows a whole one
-    assert session._reader.chat_history[-2:][0] == {"role": "user", "content": "7 8"}
+    assert session._reader.chat_history[-2] == {"role": "user", "content": "7 8"}
     assert session.state.stream.last_token == EndingTokenizer.eos_token_id
 
 
