@@ -48,6 +48,11 @@ class SegmentationConfig(_Strict):
         default="surprise", description="'uniform' cuts fixed blocks of uniform_size tokens (the InfLLM baseline)."
     )
     gamma: float = Field(default=1.0, description="Boundary when surprise > mean + gamma * std of the trailing window.")
+    min_surprise: float = Field(
+        default=1.0, ge=0,
+        description="A boundary's surprise must also exceed this many nats: a token the model predicted "
+        "(p > e^-1 at 1.0) opens no event, however flat the trailing window (repeated text). 0 turns it off.",
+    )
     surprise_window: int | None = Field(
         default=None, ge=2, description="Trailing window of the threshold; None means n_local - chunk_size."
     )

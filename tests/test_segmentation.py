@@ -36,6 +36,26 @@ def test_chunking_does_not_change_boundaries():
     assert whole == chunked and len(whole) > 5
 
 
+def test_predicted_text_opens_no_event_however_flat_its_window():
+    # Repeated filler: the model predicts every token (surprise ~0.01-0.05 nats), so the relative test
+    # alone fires on noise; only the needle (6 nats) and the max_event cap may cut it.
+    noise = torch.rand(400, generator=torch.Generator().manual_seed(0)) * 0.04 + 0.01
+    noise[250] = 6.0
+    unfloored = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128, min_surprise=0), window=100)
+    assert len(unfloored.push(noise)) > 10
+    floored = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128), window=100)
+    assert floored.push(noise) == [128, 250, 378]
+
+
+def test_what_came_before_does_not_move_cuts_in_predicted_text():
+    filler = torch.rand(300, generator=torch.Generator().manual_seed(1)) * 0.05
+    filler[[40, 170]] = 4.0
+    cold = OnlineSegmenter(SegmentationConfig(), window=100, start=1000)
+    warm = OnlineSegmenter(SegmentationConfig(), window=100, start=1000)
+    warm.history.extend((torch.rand(100, generator=torch.Generator().manual_seed(2)) * 3).tolist())
+    assert cold.push(filler) == warm.push(filler) == [1040, 1168, 1296]
+
+
 def test_uniform_mode_ignores_surprise():
     seg = OnlineSegmenter(SegmentationConfig(mode="uniform", uniform_size=16), window=50, start=100)
     assert seg.push(_flat_with_spikes(64, [5, 33])) == [116, 132, 148]
