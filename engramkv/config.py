@@ -58,6 +58,12 @@ class SegmentationConfig(_Strict):
     )
     min_event: int = Field(default=8, ge=1)
     max_event: int = Field(default=128, ge=2)
+    predicted_event: int | None = Field(
+        default=32, ge=1,
+        description="An event is also cut after this many tokens in a row below min_surprise (never shorter than "
+        "min_event): predicted text (filler) in pieces an answer's recall budget can hold, not max_event-long "
+        "ones. None: max_event only.",
+    )
     uniform_size: int = Field(default=128, ge=1)
 
     @model_validator(mode="after")

@@ -6,7 +6,9 @@ token opens the event it belongs to). Token t is a candidate when
 The floor matters on text the model predicts: over repeated filler every surprise is near zero,
 the trailing std is tiny and the relative test alone fires on noise, so the cuts would depend on
 whatever the model happened to read before (a shard that starts cold cuts the same filler
-otherwise than the sequential read does).
+otherwise than the sequential read does). Such text is cut instead once `predicted_event` tokens in a row
+fell below the floor: pieces small enough for an answer's recall budget, at a cadence nothing before
+them moves.
 Candidates closer than `min_event` to the current event start are dropped (the short
 piece merges forward into the running event); an event reaching `max_event` tokens is
 cut there. Uniform mode ignores surprise and cuts every `uniform_size` tokens.
@@ -35,6 +37,7 @@ class OnlineSegmenter:
         self.history: deque[float] = deque(maxlen=window)  # trailing surprise
         self.event_start = start  # first token of the running event
         self.position = start  # global index of the next token to be seen
+        self.predicted_run = 0  # tokens in a row, up to the next one, with surprise at or below the floor
 
     def push(self, surprise: torch.Tensor) -> list[int]:
         """Consume the surprise of the next tokens; return the boundaries they open."""
@@ -43,24 +46,37 @@ class OnlineSegmenter:
             candidates = [False] * len(values)
         else:
             candidates = self._candidates(values)
+        predicted = self.cfg.predicted_event if self.cfg.mode == "surprise" else None
+        predicted = predicted and max(predicted, self.cfg.min_event)
         boundaries = []
-        for offset, is_candidate in enumerate(candidates):
+        for offset, (is_candidate, value) in enumerate(zip(candidates, values)):
             t = self.position + offset
             length = t - self.event_start
-            if (is_candidate and length >= self.cfg.min_event) or length >= self._max_length():
+            predicted_cut = predicted is not None and min(self.predicted_run, length) >= predicted
+            if (is_candidate and length >= self.cfg.min_event) or length >= self._max_length() or predicted_cut:
                 boundaries.append(t)
                 self.event_start = t
+            self.predicted_run = self.predicted_run + 1 if value <= self.cfg.min_surprise else 0
         self.position += len(values)
         self.history.extend(values)
         return boundaries
 
     def snapshot(self) -> dict[str, Any]:
-        return {"history": list(self.history), "event_start": self.event_start, "position": self.position}
+        return {"history": list(self.history), "event_start": self.event_start, "position": self.position,
+                "predicted_run": self.predicted_run}
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         self.history.clear()
         self.history.extend(snapshot["history"])
         self.event_start, self.position = snapshot["event_start"], snapshot["position"]
+        if "predicted_run" in snapshot:
+            self.predicted_run = snapshot["predicted_run"]
+        else:  # a checkpoint from before the floor: the run is the predicted tail of the history
+            self.predicted_run = 0
+            for value in reversed(self.history):
+                if value > self.cfg.min_surprise:
+                    break
+                self.predicted_run += 1
 
     def _max_length(self) -> int:
         return self.cfg.uniform_size if self.cfg.mode == "uniform" else self.cfg.max_event
