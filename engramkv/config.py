@@ -48,22 +48,15 @@ class SegmentationConfig(_Strict):
         default="surprise", description="'uniform' cuts fixed blocks of uniform_size tokens (the InfLLM baseline)."
     )
     gamma: float = Field(default=1.0, description="Boundary when surprise > mean + gamma * std of the trailing window.")
-    min_surprise: float = Field(
-        default=1.0, ge=0,
-        description="A boundary's surprise must also exceed this many nats: a token the model predicted "
-        "(p > e^-1 at 1.0) opens no event, however flat the trailing window (repeated text). 0 turns it off.",
-    )
+    min_surprise: float = Field(default=0.0, ge=0, description="A boundary's surprise must also exceed this "
+                                "(nats; cuts under it stay unrefined). 0: off until measured (benchmarks/README).")
     surprise_window: int | None = Field(
         default=None, ge=2, description="Trailing window of the threshold; None means n_local - chunk_size."
     )
     min_event: int = Field(default=8, ge=1)
     max_event: int = Field(default=128, ge=2)
-    predicted_event: int | None = Field(
-        default=32, ge=1,
-        description="An event is also cut after this many tokens in a row below min_surprise (never shorter than "
-        "min_event): predicted text (filler) in pieces an answer's recall budget can hold, not max_event-long "
-        "ones. None: max_event only.",
-    )
+    predicted_event: int | None = Field(default=None, ge=1, description="With min_surprise: also cut after this many "
+                                        "tokens in a row under it (not under min_event). None: off.")
     uniform_size: int = Field(default=128, ge=1)
 
     @model_validator(mode="after")
@@ -136,13 +129,11 @@ class RecallConfig(_Strict):
     )
     question_match: Literal["keys", "attention"] = Field(
         default="keys",
-        description=(
-            "How a chat turn and `Session.recall` find the events a question is about. 'keys': the keys of "
-            "the question's own tokens against each event's key summary, then a token-level re-ranking; one "
-            "selection serves every layer of the answer. 'attention': the per-layer query recall used while "
-            "reading. Measured on the embedded model over a 113k-token technical document: 'keys' ranks a "
-            "planted fact first for four questions out of four, 'attention' ranks it 200-500th."
-        ),
+        description="How a chat turn and `Session.recall` find the events a question is about. 'keys': the keys of "
+        "the question's own tokens against each event's key summary, then a token-level re-ranking; one "
+        "selection serves every layer of the answer. 'attention': the per-layer query recall used while "
+        "reading. Measured on the embedded model over a 113k-token technical document: 'keys' ranks a "
+        "planted fact first for four questions out of four, 'attention' ranks it 200-500th.",
     )
     summary_layers: int = Field(default=10, ge=0, description="Evenly spaced layers whose keys make an event's key "
                                 "summary (0: every layer).")
@@ -164,12 +155,10 @@ class RecallConfig(_Strict):
     )
     window_margin: float = Field(
         default=0.005,
-        description=(
-            "A question recalls nothing when a piece of the resident window out-scores the best event by "
-            "more than this (re-ranking score, a mean cosine): recalled events would only crowd the answer. "
-            "Measured on the embedded model: answer in the window, window ahead by 0.008-0.075; answer in "
-            "memory, window behind by 0.010-0.062, or ahead by 0.002 once (the cat question of the GPL test)."
-        ),
+        description="A question recalls nothing when a piece of the resident window out-scores the best event by "
+        "more than this (re-ranking score, a mean cosine): recalled events would only crowd the answer. "
+        "Measured on the embedded model: answer in the window, window ahead by 0.008-0.075; answer in "
+        "memory, window behind by 0.010-0.062, or ahead by 0.002 once (the cat question of the GPL test).",
     )
 
 

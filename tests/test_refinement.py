@@ -5,6 +5,8 @@ import pytest
 import torch
 from networkx.algorithms.community import modularity
 
+from engramkv.config import EngineConfig, SegmentationConfig
+from engramkv.engine.sealing import Stream
 from engramkv.memory.refinement import refine_boundary, similarity_graph, split_scores
 
 
@@ -65,3 +67,22 @@ def test_refinement_respects_the_candidate_range():
         p = refine_boundary(graph, boundary=boundary, min_split=4, metric="modularity")
         assert 4 <= p <= boundary
     assert refine_boundary(graph, boundary=3, min_split=4, metric="modularity") == 3  # no candidate: unchanged
+
+
+@pytest.mark.parametrize("min_surprise, moved", [(1.0, False), (0.0, True)])
+def test_a_cut_in_predicted_text_is_not_refined(min_surprise, moved):
+    # Repeated text: an 8-token period in the keys, every token predicted (0.02 nats) but the one at 100.
+    cfg = EngineConfig(segmentation=SegmentationConfig(min_surprise=min_surprise))
+    stream = Stream(cfg, summary_layers=[0])
+    period = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    keys = period.repeat(25, 1) + 0.01 * torch.randn(200, 16, generator=torch.Generator().manual_seed(1))
+    stream.tail_tokens = torch.zeros(200, dtype=torch.int32)
+    stream.local_surprise = torch.full((200,), 0.02)
+    stream.local_surprise[100] = 5.0
+    stream.boundaries = [44, 100, 150]
+    first = stream._refined_end(keys, 0)
+    assert (first != 44) == moved
+    surprising = stream._refined_end(keys, first)  # a surprise boundary is refined either way
+    min_split = max(cfg.segmentation.min_event, (150 - first) - cfg.segmentation.max_event)
+    expected = refine_boundary(similarity_graph(keys[first:150]), 100 - first, min_split, "modularity")
+    assert surprising == first + expected

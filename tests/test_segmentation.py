@@ -43,16 +43,17 @@ def test_predicted_text_opens_no_event_however_flat_its_window():
     noise[250] = 6.0
     unfloored = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128, min_surprise=0), window=100)
     assert len(unfloored.push(noise)) > 10
-    floored = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128, predicted_event=None), window=100)
+    floored = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128, min_surprise=1.0), window=100)
     assert floored.push(noise) == [128, 250, 378]
-    cadenced = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128, predicted_event=32), window=100)
+    cadenced = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128, min_surprise=1.0, predicted_event=32),
+                               window=100)
     assert cadenced.push(noise) == [32, 64, 96, 128, 160, 192, 224, 250, 283, 315, 347, 379]
 
 
 def test_a_restored_segmenter_cuts_predicted_text_where_an_uninterrupted_one_does():
     surprise = torch.rand(300, generator=torch.Generator().manual_seed(3)) * 0.5
     surprise[[20, 21, 150]] = 5.0
-    cfg = SegmentationConfig(predicted_event=24)
+    cfg = SegmentationConfig(min_surprise=1.0, predicted_event=24)
     whole = OnlineSegmenter(cfg, window=100).push(surprise)
     first = OnlineSegmenter(cfg, window=100)
     cut = first.push(surprise[:140])
@@ -65,8 +66,9 @@ def test_a_restored_segmenter_cuts_predicted_text_where_an_uninterrupted_one_doe
 def test_what_came_before_does_not_move_cuts_in_predicted_text():
     filler = torch.rand(300, generator=torch.Generator().manual_seed(1)) * 0.05
     filler[[40, 170]] = 4.0
-    cold = OnlineSegmenter(SegmentationConfig(), window=100, start=1000)
-    warm = OnlineSegmenter(SegmentationConfig(), window=100, start=1000)
+    cfg = SegmentationConfig(min_surprise=1.0, predicted_event=32)
+    cold = OnlineSegmenter(cfg, window=100, start=1000)
+    warm = OnlineSegmenter(cfg, window=100, start=1000)
     warm.history.extend((torch.rand(100, generator=torch.Generator().manual_seed(2)) * 3).tolist())
     assert cold.push(filler) == warm.push(filler) == [1032, 1040, 1073, 1105, 1137, 1169, 1203, 1235, 1267, 1299]
 

@@ -111,10 +111,15 @@ class Stream:
         self._seal_events(layers, memory, ends)
 
     def _refined_end(self, window_keys: torch.Tensor | None, start: int) -> int:
-        """The next boundary, moved to the best split of [start, the boundary after it) on the key graph."""
+        """The next boundary, moved to the best split of [start, the boundary after it) on the key graph.
+
+        A boundary at a token the model predicted (surprise at or below the floor: a cut of predicted text every
+        `predicted_event` tokens, or at `max_event`) stays: over repeated text the graph is periodic and its best
+        split is the leftmost allowed, so refined cuts lag and then catch up in one max_event-long event."""
         seg, ref = self.cfg.segmentation, self.cfg.refinement
         end = self.boundaries.pop(0)
-        if window_keys is None:
+        predicted = seg.min_surprise > 0 and float(self.local_surprise[end - self.local_start]) <= seg.min_surprise
+        if window_keys is None or predicted:
             return end
         after = self.boundaries[0] if self.boundaries else self.n_tokens
         graph = similarity_graph(window_keys[start - self.local_start : after - self.local_start])

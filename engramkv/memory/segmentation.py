@@ -2,7 +2,8 @@
 
 Convention: a boundary is the index of the *first token of a new event* (the surprising
 token opens the event it belongs to). Token t is a candidate when
-    s_t > mean + gamma * std   over the surprise of the `window` tokens before t,   and   s_t > min_surprise.
+    s_t > mean + gamma * std   over the surprise of the `window` tokens before t
+and, with the optional floor (`min_surprise`, off by default), s_t > min_surprise.
 The floor matters on text the model predicts: over repeated filler every surprise is near zero,
 the trailing std is tiny and the relative test alone fires on noise, so the cuts would depend on
 whatever the model happened to read before (a shard that starts cold cuts the same filler
@@ -92,6 +93,8 @@ class OnlineSegmenter:
         n = (idx - lo).double()
         mean = (csum[idx] - csum[lo]) / n.clamp(min=1)
         var = ((csq[idx] - csq[lo]) / n.clamp(min=1) - mean * mean).clamp(min=0)
-        threshold = (mean + self.cfg.gamma * var.sqrt()).clamp(min=self.cfg.min_surprise)
+        threshold = mean + self.cfg.gamma * var.sqrt()
+        if self.cfg.min_surprise > 0:
+            threshold = threshold.clamp(min=self.cfg.min_surprise)
         # Too little history to judge (fewer than 2 tokens): no boundary.
         return ((seq[idx] > threshold) & (n >= 2)).tolist()
