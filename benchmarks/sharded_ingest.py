@@ -1,7 +1,7 @@
 """Sharded ingest against a sequential one (issue 20): same answers, event counts, throughput, same run.
 
 For each task and seed, the sample's document (the evaluation's generator, `engramkv.tasks`) is written to a
-file and ingested twice into fresh stores with the default config on the embedded model:
+file and ingested twice into fresh stores with the default config (but --segmentation) on the embedded model:
 
     sequential  `Session.ingest_file(path)` in this process with --threads torch threads (2 on these machines)
     sharded     `Session.ingest_file(path, workers=N)`: N Ray workers of --threads / N threads each (a local
@@ -122,7 +122,7 @@ def _same(row: dict[str, Any], kind: str) -> bool:
 
 
 def table(rows: list[dict[str, Any]], workers: int, threads: int) -> str:
-    lines = ["# Sharded ingest against sequential (embedded model, default config)", "",
+    lines = ["# Sharded ingest against sequential (embedded model, default config but --segmentation)", "",
              f"Sequential: one process of {threads} threads. Sharded: {workers} Ray workers of "
              f"{max(1, threads // workers)} thread(s), the local Ray's start and the workers' model loads included. "
              "Throughput: tokens/s of the whole `ingest_file` call, sharded / sequential, the same run; the sharded "
@@ -179,11 +179,15 @@ def main() -> None:
                         "among the workers of the sharded one")
     parser.add_argument("--name", default="sharded_ingest")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--segmentation", type=json.loads, default={}, metavar="JSON",
+                        help='fields of the segmentation config for every ingest, e.g. \'{"min_surprise": 1.0, '
+                        '"predicted_event": 32}\' (the opt-in surprise floor)')
     parser.add_argument("--no-write-through", action="store_true", help="also ingest sequentially with "
                         "store.hot_write_through off (every read of memory through the codec): how far the event count "
                         "moves when only the codec's rounding reaches the reading")
     args = parser.parse_args()
-    config = EngineConfig.model_validate({"shards": {"threads_per_worker": max(1, args.threads // args.workers)}})
+    config = EngineConfig.model_validate({"shards": {"threads_per_worker": max(1, args.threads // args.workers)},
+                                          "segmentation": args.segmentation})
     lm = EpisodicLM.from_pretrained(config=config)
     old = OUT / f"{args.name}.json"
     rows: list[dict[str, Any]] = json.loads(old.read_text())["samples"] if args.resume and old.exists() else []
