@@ -47,8 +47,9 @@ class OnlineSegmenter:
             candidates = [False] * len(values)
         else:
             candidates = self._candidates(values)
-        predicted = self.cfg.predicted_event if self.cfg.mode == "surprise" else None
-        predicted = predicted and max(predicted, self.cfg.min_event)
+        predicted = None  # run of predicted tokens that cuts an event (never shorter than min_event)
+        if self.cfg.mode == "surprise" and self.cfg.predicted_event is not None:
+            predicted = max(self.cfg.predicted_event, self.cfg.min_event)
         boundaries = []
         for offset, (is_candidate, value) in enumerate(zip(candidates, values)):
             t = self.position + offset
