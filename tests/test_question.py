@@ -42,15 +42,16 @@ def test_key_summaries_of_joined_events_are_each_ones_key_summary():
     assert torch.allclose(joined, torch.stack([key_summary(k) for k in events]), atol=1e-6)
 
 
-def _memory(event_keys: list[torch.Tensor]) -> InMemoryEventMemory:
-    """Events whose keys (HEADS, n, DIM) are given for every layer."""
+def _memory(event_keys: list[torch.Tensor], surprise_max: list[float] | None = None) -> InMemoryEventMemory:
+    """Events whose keys (HEADS, n, DIM) are given for every layer (and their largest surprise, default 1)."""
     memory = InMemoryEventMemory(LAYERS, HEADS, DIM, torch.float32)
     start = 0
     for i, keys in enumerate(event_keys):
         n = keys.shape[1]
         per_layer = keys[None].expand(LAYERS, -1, -1, -1)  # (layers, Hkv, n, D)
         reps = torch.zeros(LAYERS, HEADS * DIM)
-        memory.add(Event(i, start, start + n, 1.0, 1.0), per_layer, per_layer, reps, key_summary(per_layer),
+        peak = 1.0 if surprise_max is None else surprise_max[i]
+        memory.add(Event(i, start, start + n, 1.0, peak), per_layer, per_layer, reps, key_summary(per_layer),
                    torch.zeros(n, dtype=torch.int32))
         start += n
     return memory
@@ -79,6 +80,16 @@ def test_answer_events_take_hits_then_neighbours_in_time_order():
     assert answer_events(memory, [9, 3], budget=50, max_distance=8) == [3, 4, 8, 9, 10]
     assert answer_events(memory, [9, 3], budget=5, max_distance=8) == []  # nothing fits
     assert answer_events(memory, [19], budget=30, max_distance=8) == [17, 18, 19]  # no event past the end
+
+
+def test_predicted_text_after_a_hit_ends_its_context_there_but_not_before_it():
+    # Event 5 matched; 7 and 4 are filler the model predicted whole (largest surprise under the floor).
+    peaks = [5.0, 5.0, 5.0, 5.0, 0.2, 8.0, 3.0, 0.3, 6.0, 6.0]
+    memory = _memory([torch.randn(HEADS, 10, DIM) for _ in range(10)], peaks)
+    assert answer_events(memory, [5], budget=60, max_distance=8) == [3, 4, 5, 6, 7, 8]  # no floor: nearest first
+    # With the floor: nothing at or past the filler after the hit (the model would read on into it), while the
+    # filler before it is context like any other.
+    assert answer_events(memory, [5], budget=60, max_distance=8, predicted_below=1.0) == [1, 2, 3, 4, 5, 6]
 
 
 def _stream(n, seed=0):

@@ -47,7 +47,20 @@ def test_predicted_text_opens_no_event_however_flat_its_window():
     assert floored.push(noise) == [128, 250, 378]
     cadenced = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128, min_surprise=1.0, predicted_event=32),
                                window=100)
-    assert cadenced.push(noise) == [32, 64, 96, 128, 160, 192, 224, 250, 283, 315, 347, 379]
+    # The needle's one token is an event of its own: the predicted run after it is cut off where it starts.
+    assert cadenced.push(noise) == [32, 64, 96, 128, 160, 192, 224, 250, 251, 283, 315, 347, 379]
+
+
+def test_a_predicted_run_leaves_the_event_it_followed_however_short():
+    # A fact (6 surprising tokens, a cut at its first) then filler: the filler's run starts a new event once
+    # it is `predicted_event` long, so the fact's event holds no filler, whatever min_event says.
+    surprise = torch.rand(200, generator=torch.Generator().manual_seed(4)) * 0.04 + 0.01
+    surprise[110:116] = torch.tensor([6.0, 3.0, 0.5, 4.0, 2.0, 5.0])
+    cfg = SegmentationConfig(min_event=8, max_event=128, min_surprise=1.0, predicted_event=32)
+    boundaries = OnlineSegmenter(cfg, window=100).push(surprise)
+    assert boundaries == [32, 64, 96, 110, 116, 148, 180]
+    chunked_seg = OnlineSegmenter(cfg, window=100)
+    assert [b for piece in surprise.split(13) for b in chunked_seg.push(piece)] == boundaries
 
 
 def test_a_restored_segmenter_cuts_predicted_text_where_an_uninterrupted_one_does():
@@ -70,7 +83,8 @@ def test_what_came_before_does_not_move_cuts_in_predicted_text():
     cold = OnlineSegmenter(cfg, window=100, start=1000)
     warm = OnlineSegmenter(cfg, window=100, start=1000)
     warm.history.extend((torch.rand(100, generator=torch.Generator().manual_seed(2)) * 3).tolist())
-    assert cold.push(filler) == warm.push(filler) == [1032, 1040, 1073, 1105, 1137, 1169, 1203, 1235, 1267, 1299]
+    assert cold.push(filler) == warm.push(filler) == [1032, 1040, 1041, 1073, 1105, 1137, 1169, 1171, 1203, 1235,
+                                                        1267, 1299]
 
 
 def test_uniform_mode_ignores_surprise():

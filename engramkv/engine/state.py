@@ -172,7 +172,7 @@ class EpisodicState:
             else:
                 budget = plan.budget if plan is not None else self.cfg.recall.budget_tokens
                 ids = select_events(self.memory, layer, query, self.cfg.recall, self.cfg.segmentation.min_event,
-                                    None if forward.probe else st.buffer, budget=budget)
+                                    None if forward.probe else st.buffer, budget, self.cfg.segmentation.min_surprise)
             if ids != st.recalled_ids or parts != st.recalled_tokens or st.recalled_kv is None:
                 k, v = self.memory.gather(layer, ids)  # (Hkv, M, D) each
                 if parts is not None:

@@ -8,10 +8,12 @@ The floor matters on text the model predicts: over repeated filler every surpris
 the trailing std is tiny and the relative test alone fires on noise, so the cuts would depend on
 whatever the model happened to read before (a shard that starts cold cuts the same filler
 otherwise than the sequential read does). Such text is cut instead once `predicted_event` tokens in a row
-fell below the floor: pieces small enough for an answer's recall budget, at a cadence nothing before
-them moves.
+fell below the floor: at the run's start (whatever surprised the model ends there, so an answer that
+recalls it does not read on into filler), then every `predicted_event` tokens: pieces small enough for an
+answer's recall budget, at a cadence nothing before them moves.
 Candidates closer than `min_event` to the current event start are dropped (the short
-piece merges forward into the running event); an event reaching `max_event` tokens is
+piece merges forward into the running event; a predicted run's start cuts however short the event
+before it); an event reaching `max_event` tokens is
 cut there. Uniform mode ignores surprise and cuts every `uniform_size` tokens.
 
 The segmenter only sees surprise values in stream order, chunk by chunk, and emits
@@ -53,6 +55,10 @@ class OnlineSegmenter:
         boundaries = []
         for offset, (is_candidate, value) in enumerate(zip(candidates, values)):
             t = self.position + offset
+            run_start = t - self.predicted_run
+            if predicted is not None and self.predicted_run == predicted and run_start > self.event_start:
+                boundaries.append(run_start)  # the predicted run leaves the event it followed, however short
+                self.event_start = run_start
             length = t - self.event_start
             predicted_cut = predicted is not None and min(self.predicted_run, length) >= predicted
             if (is_candidate and length >= self.cfg.min_event) or length >= self._max_length() or predicted_cut:

@@ -25,6 +25,7 @@ def select_events(
     min_event: int,
     buffer: deque[int] | None = None,
     budget: int | None = None,  # memory tokens to fill (default cfg.budget_tokens)
+    predicted_below: float = 0.0,  # the segmentation's surprise floor (see add_neighbours)
 ) -> list[int]:
     budget = cfg.budget_tokens if budget is None else budget
     if len(memory) == 0 or budget == 0:
@@ -47,7 +48,7 @@ def select_events(
             hits.append(first)
             used += memory.event(first).length
 
-    used = add_neighbours(memory, chosen, hits, used, budget, cfg.max_neighbour_distance)
+    used = add_neighbours(memory, chosen, hits, used, budget, cfg.max_neighbour_distance, predicted_below)
     if buffer is not None:
         for event_id in reversed(buffer):
             used = _take(memory, chosen, event_id, used, budget)
@@ -56,16 +57,26 @@ def select_events(
 
 
 def add_neighbours(
-    memory: EventMemory, chosen: set[int], hits: list[int], used: int, budget: int, max_distance: int
+    memory: EventMemory, chosen: set[int], hits: list[int], used: int, budget: int, max_distance: int,
+    predicted_below: float = 0.0,
 ) -> int:
     """Add temporal neighbours of `hits` (up to `max_distance` away) to `chosen`, nearest first, while `used`
     stays within `budget`.
 
-    Returns the tokens used after. id+1 comes before id-1: what follows a match usually completes it.
+    Returns the tokens used after. id+1 comes before id-1: what follows a match usually completes it. With
+    `predicted_below` > 0 (the segmentation's surprise floor), an event after a hit that the model predicted
+    whole (its largest surprise at or below the floor: a run of filler) ends the hit's context on that side:
+    read just before the question, such filler is what the small model continues instead of answering
+    (measured: the agent example's report). Filler before a hit is context like any other.
     """
+    ended: set[int] = set()  # hits whose following context stopped at predicted text
     for distance in range(1, max_distance + 1):
         for hit in hits:
-            used = _take(memory, chosen, hit + distance, used, budget)
+            after = hit + distance
+            if predicted_below > 0 and after < len(memory) and memory.event(after).surprise_max <= predicted_below:
+                ended.add(hit)
+            if hit not in ended:
+                used = _take(memory, chosen, after, used, budget)
             used = _take(memory, chosen, hit - distance, used, budget)
     return used
 
