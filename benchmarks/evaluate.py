@@ -59,6 +59,10 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
     parser.add_argument("--quick", action="store_true",
                         help=f"one sample of three tasks on every default system at {QUICK_LENGTH} tokens (a few minutes)")
+    parser.add_argument("--segmentation", type=json.loads, default={}, metavar="JSON",
+                        help='fields of the segmentation config every engramkv system reads with, e.g. '
+                             '\'{"min_surprise": 1.0, "predicted_event": 32}\' (an opt-in setting measured on the '
+                             'grid before it becomes the default; recorded in each run; default: none)')
     parser.add_argument("--name", default="eval")
     parser.add_argument("--out", type=Path, default=OUT, help="results directory (default: benchmarks/results/evaluate)")
     parser.add_argument("--resume", action="store_true",
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     if outside:  # their runs would be dropped and never run again
         raise SystemExit(f"--rerun / --rerun-empty / --rerun-piece: {outside} not in --systems")
     model, tokenizer, model_id = load_pretrained(ModelConfig(name_or_path=args.model))
-    models = Models(model, tokenizer, model_id)
+    models = Models(model, tokenizer, model_id, args.segmentation)
     runs, commands, notes = previous_runs(args.out / f"{args.name}.json", model_id) if args.resume else ([], [], {})
     args.notes = notes
     for name in args.merge:
@@ -111,6 +115,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         runs += [r for r in merged if _key(r) not in done]
         commands += [c for c in merged_commands if c not in commands]
     runs = kept_runs(args, runs)
+    check_segmentation(runs, args.segmentation)
     command = " ".join(["python benchmarks/evaluate.py", *_argv(args)])
     if command not in commands:  # the same command run again (a resume, a merge) is listed once
         commands.append(command)
@@ -141,10 +146,20 @@ def run_grid(args: argparse.Namespace, models: Models, model_id: str, runs: list
                     runs.append({"task": task, "system": system, "length": length, "seed": seed,
                                  "score": sample.score(run.reply), "answers": sample.answers, "meta": sample.meta,
                                  **dataclasses.asdict(run), "wall_s": round(time.perf_counter() - started, 1),
-                                 "commit": CODE["commit"], "dirty": CODE["dirty"]})
+                                 "commit": CODE["commit"], "dirty": CODE["dirty"],
+                                 **({"segmentation": args.segmentation} if args.segmentation else {})})
                     print(f"{task:16s} {system:16s} {length:>7,} seed {seed}: score {runs[-1]['score']:.2f} "
                           f"reply {run.reply[:60]!r}", flush=True)
                     save(args, model_id, runs, commands)
+
+
+def check_segmentation(runs: list[dict[str, Any]], segmentation: dict[str, Any]) -> None:
+    """Refuse to keep runs read with other `--segmentation` fields than this command's: one file, one setting."""
+    other = {json.dumps(r.get("segmentation", {}), sort_keys=True) for r in runs} - {json.dumps(segmentation,
+                                                                                             sort_keys=True)}
+    if other:
+        raise SystemExit(f"the runs kept were read with --segmentation {', '.join(sorted(other))}, not "
+                         f"{json.dumps(segmentation)}: use another --name")
 
 
 def length_label(tokens: int) -> str:
@@ -212,6 +227,9 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
              + ". Score: share of the expected answers in the reply, averaged over the samples of a cell "
              "(in brackets: n; the 95% Wilson interval of the mean score over n); `-`: not run.", ""]
     notes = getattr(args, "notes", {})
+    if args.segmentation:
+        lines += [f"Every engramkv system read its documents with these segmentation fields: {args.segmentation} "
+                  "(`--segmentation`; the configurations in the JSON have them).", ""]
     if "commit_of_file" in notes:  # a grid begun before runs recorded their commit
         lines += [f"Runs without a `commit` in {args.name}.json ran before commits were recorded; the file was "
                         f"added in commit {notes['commit_of_file'][:7]}.", ""]
@@ -265,7 +283,7 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
                     lines.append(f"| {system} | {n:,} | {_mean([r['score'] for r in mine]):.2f} | "
                                  f"{_mean([r['answers_in_recalled'] for r in mine]):.2f} |")
     payload = {**notes, "model": model_id, "commands": commands, "runs": runs}
-    configs = {system: system_config(system) for system in systems}
+    configs = {system: system_config(system, args.segmentation) for system in systems}
     write_results(args.out, args.name, payload, "\n".join(lines) + "\n", configs)
     if plot:
         plot_accuracy(args.out / f"{args.name}.png", tasks, systems, lengths, accuracy)
@@ -337,9 +355,10 @@ def _argv(args: argparse.Namespace) -> list[str]:
     if args.out.resolve() != OUT.resolve():
         out = args.out.resolve()
         name += ["--out", str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(args.out)]
+    segmentation = ["--segmentation", json.dumps(args.segmentation)] if args.segmentation else []
     if args.quick:
-        return ["--quick", *name]
-    return [*name, "--tasks", *args.tasks, "--systems", *args.systems, "--lengths", *map(str, args.lengths),
+        return ["--quick", *name, *segmentation]
+    return [*name, *segmentation, "--tasks", *args.tasks, "--systems", *args.systems, "--lengths", *map(str, args.lengths),
             "--samples", str(args.samples), *(["--first-seed", str(args.first_seed)] if args.first_seed else []),
             "--full-max", str(args.full_max), *(["--resume"] if args.resume else []),
             *(["--merge", *args.merge] if args.merge else []), *(["--rerun", *args.rerun] if args.rerun else []),

@@ -218,6 +218,24 @@ def test_an_engramkv_run_records_its_theta_context_and_what_it_read_each_in_its_
     assert run.answers_in_read == 1.0  # the last token read is in the whole window the theta attends to
 
 
+def test_segmentation_fields_reach_every_engramkv_config_and_one_file_holds_one_setting():
+    evaluate = passkey_preset.evaluate
+    floor = {"min_surprise": 1.0, "predicted_event": 32}
+    for system in ("engram", "engram-alloc-chat", "engram-surprise"):
+        recorded = system_config(system, floor)
+        engine = recorded if isinstance(recorded, EngineConfig) else EngineConfig.model_validate(recorded["engine"])
+        assert (engine.segmentation.min_surprise, engine.segmentation.predicted_event) == (1.0, 32), system
+        assert engine.segmentation.max_event == SegmentationConfig().max_event  # the rest as it was
+    assert system_config("engram") == system_config("engram", {})
+    evaluate.check_segmentation([{"seed": 0, "segmentation": floor}], dict(floor))
+    evaluate.check_segmentation([{"seed": 0}], {})
+    with pytest.raises(SystemExit, match="another --name"):
+        evaluate.check_segmentation([{"seed": 0}], floor)
+    argv = ["--segmentation", json.dumps(floor), "--tasks", "passkey", "--lengths", "4096"]
+    recorded = evaluate._argv(evaluate.build_parser().parse_args(argv))
+    assert json.loads(recorded[recorded.index("--segmentation") + 1]) == floor
+
+
 @pytest.mark.slow
 def test_quick_runs_every_system_and_writes_table_json_and_plot(tmp_path):
     subprocess.run([sys.executable, "evaluate.py", "--quick", "--out", str(tmp_path), "--name", "quick"],

