@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from engramkv import EpisodicLM, Session
+from engramkv import EngineConfig, EpisodicLM, Session
 
 Tool = Callable[..., dict[str, Any]]
 
@@ -72,13 +72,14 @@ def demo_document() -> tuple[str, str, str]:
     return filler + fact + filler, "In which city will the new warehouse be built?", "Tampere"
 
 
-def main(argv: list[str] | None = None, lm: EpisodicLM | None = None) -> list[dict[str, Any]]:
+def main(argv: list[str] | None = None, lm: EpisodicLM | None = None,
+         config: EngineConfig | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--document", help="a text file (default: a generated report)")
     parser.add_argument("--question")
     args = parser.parse_args(argv)
     lm = lm or EpisodicLM.from_pretrained()
-    session = lm.session()
+    session = lm.session(config)
     if args.document:
         session.ingest_file(args.document)
         question = args.question or "What is this document about?"
