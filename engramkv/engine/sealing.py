@@ -26,7 +26,7 @@ import torch
 from engramkv.config import EngineConfig
 from engramkv.memory.events import Event, EventMemory
 from engramkv.memory.refinement import refine_boundary, similarity_graph
-from engramkv.memory.segmentation import OnlineSegmenter
+from engramkv.memory.segmentation import OnlineSegmenter, predicted
 from engramkv.memory.summary import key_summary, representatives
 
 
@@ -118,8 +118,7 @@ class Stream:
         split is the leftmost allowed, so refined cuts lag and then catch up in one max_event-long event."""
         seg, ref = self.cfg.segmentation, self.cfg.refinement
         end = self.boundaries.pop(0)
-        predicted = seg.min_surprise > 0 and float(self.local_surprise[end - self.local_start]) <= seg.min_surprise
-        if window_keys is None or predicted:
+        if window_keys is None or predicted(float(self.local_surprise[end - self.local_start]), seg.min_surprise):
             return end
         after = self.boundaries[0] if self.boundaries else self.n_tokens
         graph = similarity_graph(window_keys[start - self.local_start : after - self.local_start])

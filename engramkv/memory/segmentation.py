@@ -31,6 +31,12 @@ import torch
 from engramkv.config import SegmentationConfig
 
 
+def predicted(surprise: float, floor: float) -> bool:
+    """Whether the model predicted a token (or a whole event, given its largest surprise): at or under the
+    surprise floor. Nothing is, without a floor (0)."""
+    return floor > 0 and surprise <= floor
+
+
 class OnlineSegmenter:
     """Emits event boundaries (global token indices) from the surprise of tokens pushed in stream order."""
 
@@ -49,22 +55,22 @@ class OnlineSegmenter:
             candidates = [False] * len(values)
         else:
             candidates = self._candidates(values)
-        predicted = None  # run of predicted tokens that cuts an event (never shorter than min_event)
+        run_cut = None  # run of predicted tokens that cuts an event (never shorter than min_event)
         if self.cfg.mode == "surprise" and self.cfg.predicted_event is not None:
-            predicted = max(self.cfg.predicted_event, self.cfg.min_event)
+            run_cut = max(self.cfg.predicted_event, self.cfg.min_event)
         boundaries = []
         for offset, (is_candidate, value) in enumerate(zip(candidates, values)):
             t = self.position + offset
             run_start = t - self.predicted_run
-            if predicted is not None and self.predicted_run == predicted and run_start > self.event_start:
+            if run_cut is not None and self.predicted_run == run_cut and run_start > self.event_start:
                 boundaries.append(run_start)  # the predicted run leaves the event it followed, however short
                 self.event_start = run_start
             length = t - self.event_start
-            predicted_cut = predicted is not None and min(self.predicted_run, length) >= predicted
+            predicted_cut = run_cut is not None and min(self.predicted_run, length) >= run_cut
             if (is_candidate and length >= self.cfg.min_event) or length >= self._max_length() or predicted_cut:
                 boundaries.append(t)
                 self.event_start = t
-            self.predicted_run = self.predicted_run + 1 if value <= self.cfg.min_surprise else 0
+            self.predicted_run = self.predicted_run + 1 if predicted(value, self.cfg.min_surprise) else 0
         self.position += len(values)
         self.history.extend(values)
         return boundaries
@@ -82,7 +88,7 @@ class OnlineSegmenter:
         else:  # a checkpoint from before the floor: the run is the predicted tail of the history
             self.predicted_run = 0
             for value in reversed(self.history):
-                if value > self.cfg.min_surprise:
+                if not predicted(value, self.cfg.min_surprise):
                     break
                 self.predicted_run += 1
 

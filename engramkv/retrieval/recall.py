@@ -15,6 +15,7 @@ import torch
 
 from engramkv.config import RecallConfig
 from engramkv.memory.events import EventMemory
+from engramkv.memory.segmentation import predicted
 
 
 def select_events(
@@ -73,7 +74,7 @@ def add_neighbours(
     for distance in range(1, max_distance + 1):
         for hit in hits:
             after = hit + distance
-            if predicted_below > 0 and after < len(memory) and memory.event(after).surprise_max <= predicted_below:
+            if after < len(memory) and predicted(memory.event(after).surprise_max, predicted_below):
                 ended.add(hit)
             if hit not in ended:
                 used = _take(memory, chosen, after, used, budget)
