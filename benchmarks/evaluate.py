@@ -227,8 +227,10 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
              + ". Score: share of the expected answers in the reply, averaged over the samples of a cell "
              "(in brackets: n; the 95% Wilson interval of the mean score over n); `-`: not run.", ""]
     notes = getattr(args, "notes", {})
-    if args.segmentation:
-        lines += [f"Every engramkv system read its documents with these segmentation fields: {args.segmentation} "
+    # From the runs, not args: relabel.py and rescore.py save files they did not run (one setting per file).
+    segmentation = next((r["segmentation"] for r in runs if r.get("segmentation")), {})
+    if segmentation:
+        lines += [f"Every engramkv system read its documents with these segmentation fields: {segmentation} "
                   "(`--segmentation`; the configurations in the JSON have them).", ""]
     if "commit_of_file" in notes:  # a grid begun before runs recorded their commit
         lines += [f"Runs without a `commit` in {args.name}.json ran before commits were recorded; the file was "
@@ -283,7 +285,7 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
                     lines.append(f"| {system} | {n:,} | {_mean([r['score'] for r in mine]):.2f} | "
                                  f"{_mean([r['answers_in_recalled'] for r in mine]):.2f} |")
     payload = {**notes, "model": model_id, "commands": commands, "runs": runs}
-    configs = {system: system_config(system, args.segmentation) for system in systems}
+    configs = {system: system_config(system, segmentation) for system in systems}
     write_results(args.out, args.name, payload, "\n".join(lines) + "\n", configs)
     if plot:
         plot_accuracy(args.out / f"{args.name}.png", tasks, systems, lengths, accuracy)
