@@ -74,7 +74,9 @@ def add_neighbours(
     for distance in range(1, max_distance + 1):
         for hit in hits:
             after = hit + distance
-            if after < len(memory) and predicted(memory.event(after).surprise_max, predicted_below):
+            # Without a floor nothing is predicted: skip the event lookup (this runs per layer and chunk).
+            if predicted_below > 0 and after < len(memory) and predicted(memory.event(after).surprise_max,
+                                                                          predicted_below):
                 ended.add(hit)
             if hit not in ended:
                 used = _take(memory, chosen, after, used, budget)
