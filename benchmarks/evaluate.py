@@ -153,10 +153,14 @@ def run_grid(args: argparse.Namespace, models: Models, model_id: str, runs: list
                     save(args, model_id, runs, commands)
 
 
+def run_settings(runs: list[dict[str, Any]]) -> set[str]:
+    """The `--segmentation` settings the runs were read with, as sorted JSON ('{}': the default)."""
+    return {json.dumps(r.get("segmentation", {}), sort_keys=True) for r in runs}
+
+
 def check_segmentation(runs: list[dict[str, Any]], segmentation: dict[str, Any]) -> None:
     """Refuse to keep runs read with other `--segmentation` fields than this command's: one file, one setting."""
-    other = {json.dumps(r.get("segmentation", {}), sort_keys=True) for r in runs} - {json.dumps(segmentation,
-                                                                                             sort_keys=True)}
+    other = run_settings(runs) - {json.dumps(segmentation, sort_keys=True)}
     if other:
         raise SystemExit(f"the runs kept were read with --segmentation {', '.join(sorted(other))}, not "
                          f"{json.dumps(segmentation)}: use another --name")
@@ -228,7 +232,7 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
              "(in brackets: n; the 95% Wilson interval of the mean score over n); `-`: not run.", ""]
     notes = getattr(args, "notes", {})
     # From the runs, not args: relabel.py and rescore.py save files they did not run (one setting per file).
-    segmentation = next((r["segmentation"] for r in runs if r.get("segmentation")), {})
+    segmentation = json.loads(max(run_settings(runs), key=len, default="{}"))  # one per file (check_segmentation)
     if segmentation:
         lines += [f"Every engramkv system read its documents with these segmentation fields: {segmentation} "
                   "(`--segmentation`; the configurations in the JSON have them).", ""]

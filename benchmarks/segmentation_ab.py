@@ -21,6 +21,7 @@ from typing import Any
 
 from _common import RESULTS, write_results
 from allocation_report import Key, _cell, _context, _paired, load
+from evaluate import run_settings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setting_runs, setting_sources = load(args.dir, args.setting)
     default_runs, default_sources = load(args.dir, args.default)
-    settings = {json.dumps(r.get("segmentation", {}), sort_keys=True) for r in setting_runs}
+    settings = run_settings(setting_runs)
     if len(settings) != 1 or settings == {"{}"}:
         raise SystemExit(f"--setting files must share one --segmentation setting (found {sorted(settings)})")
     if any(r.get("segmentation") for r in default_runs):
