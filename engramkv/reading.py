@@ -3,7 +3,7 @@
 The session hands token ids to `Reader.feed`; whole chunks (`window.chunk_size`) are read by the
 engine at once, the rest waits for more or for `flush`. Every `store.commit_tokens` tokens, and when
 the session says so, the reader commits the stream to its memory: the engine's snapshot, the queue,
-the chat so far and the stream settings, which a reopened stream must match. A step that fails
+the chat so far and the stream settings, which a reopened stream keeps (`continuing`). A step that fails
 half-way, or a commit interrupted half-way, leaves the reader `broken`: the resident state is no
 longer whole, the last commit stands.
 """
@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from engramkv.config import EngineConfig
 from engramkv.documents import IngestRun
@@ -29,17 +30,39 @@ from engramkv.retrieval.question import RecallPlan
 ProgressCallback = Callable[[IngestProgress], None]
 
 
+def continuing(config: EngineConfig, stored: dict[str, Any]) -> EngineConfig:
+    """`config` to continue a stream written with the stream settings `stored` (`EngineConfig.stream_settings`).
+
+    A setting left at its default takes the stored value, so a store outlives a change of the defaults; a
+    setting changed on purpose is kept, and `Reader` refuses the stream where it differs from the stored one.
+    """
+    defaults, mine = EngineConfig().stream_settings(), config.stream_settings()
+    update = {}
+    for section, fields in mine.items():
+        theirs = stored.get(section) if isinstance(stored.get(section), dict) else {}
+        merged = {k: theirs[k] if k in theirs and v == defaults[section][k] else v for k, v in fields.items()}
+        if merged != fields:
+            update[section] = merged
+    if not update:
+        return config
+    try:
+        return type(config).model_validate({**config.model_dump(), **update})
+    except ValidationError as e:
+        raise ConfigError(f"this stream's stored {', '.join(update)} settings are not valid here: {e}") from e
+
+
 class Reader:
     """Feeds one stream's tokens to its engine chunk by chunk and commits the stream to its memory."""
 
-    def __init__(self, state: EpisodicState, memory: PersistentMemory, cfg: EngineConfig):
+    def __init__(self, state: EpisodicState, memory: PersistentMemory, cfg: EngineConfig,
+                 snapshot: dict[str, Any] | None):
+        """`snapshot`: the memory's last commit (`load_checkpoint`), restored here; None for a new stream."""
         self.state, self.memory, self.cfg = state, memory, cfg
         self.pending: list[int] = []  # tokens waiting to fill a chunk
         self.chat_history: list[dict[str, str]] = []  # the conversation so far (chat templates need it)
         self.broken: str | None = None  # why the resident state is no longer whole, once a step failed
         self._uncommitted = 0  # tokens read since the last commit
         self._draft = False  # reading a draft: nothing sealed or committed (`reading`)
-        snapshot = memory.load_checkpoint()
         if snapshot is not None:
             self._restore(snapshot)
 
@@ -173,7 +196,7 @@ class Reader:
             changed = [k for k in mine if stored.get(k) != mine[k]]
             raise ConfigError(
                 f"this stream was written with other {', '.join(changed)} settings; open it with the same "
-                f"config (stored: {json.dumps({k: stored.get(k) for k in changed})})"
+                f"config, or leave them at their defaults (stored: {json.dumps({k: stored.get(k) for k in changed})})"
             )
         self.state.restore(snapshot["engine"])
         self.pending = list(snapshot["pending"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
@@ -24,7 +25,7 @@ from engramkv.documents import IngestRun, check_document, tokenize_pieces
 from engramkv.engine.state import EpisodicState
 from engramkv.errors import ConfigError, EmptyInputError, EngramError, InputError, ReadOnlyError, SessionError
 from engramkv.memory.events import PersistentMemory
-from engramkv.reading import ProgressCallback, Reader
+from engramkv.reading import ProgressCallback, Reader, continuing
 from engramkv.results import Answer, IngestReport, RecalledEvent, SessionStats, recalled_events
 from engramkv.retrieval import allocation, question
 from engramkv.retrieval.allocation import Theta
@@ -62,6 +63,10 @@ class Session:
     """
 
     def __init__(self, lm: Backbone, cfg: EngineConfig, memory: PersistentMemory, summary_layers: list[int]):
+        snapshot = memory.load_checkpoint()
+        if snapshot is not None:  # a stored stream: the settings it was written with, where cfg leaves them default
+            cfg = continuing(cfg, json.loads(snapshot["stream_config"]))
+            check_span(cfg, lm.spec)
         self.lm, self.cfg, self.memory = lm, cfg, memory
         self.state = EpisodicState(lm.model, lm.rope, lm.spec, cfg, memory, summary_layers)
         self.last_recalled: list[RecalledEvent] = []  # the events the last answer attended to, best match first
@@ -70,7 +75,7 @@ class Session:
         self._closed = False
         self._answerer = answering.Answerer(self.state, memory, cfg, lm.tokenizer,
                                             allocation.load_model(cfg.allocation, lm.spec.model_id))
-        self._reader = Reader(self.state, memory, cfg)  # restores the stream from the memory's last commit
+        self._reader = Reader(self.state, memory, cfg, snapshot)
 
     # ------------------------------------------------------------------ persistence
     def commit(self) -> None:
@@ -124,9 +129,9 @@ class Session:
 
     def fork(self, config: EngineConfig | None = None) -> Session:
         """A new in-RAM session that continues this stream (its events, resident window, queue and chat so
-        far, copied), read with `config`, whose stream settings must be this session's: what-ifs on the
-        answer side (recall budgets, layouts, generation) without reading the stream twice."""
-        config = config or self.cfg
+        far, copied), read with `config`, whose stream settings must be this session's (or default, taken from
+        it): what-ifs on the answer side (recall budgets, layouts, generation) without reading the stream twice."""
+        config = continuing(config or self.cfg, self.cfg.stream_settings())
         check_span(config, self.lm.spec)
         _check_fork(self.cfg, config)
         with self._exclusive("fork"):
@@ -176,7 +181,7 @@ class Session:
             if len(shards) > 1:
                 sharding.ingest_sharded(self.lm.loader, self.lm.tokenizer, self.memory, self.cfg, checked, shards,
                                         progress)
-                self._reader = Reader(self.state, self.memory, self.cfg)  # the stream the merge committed
+                self._reader = Reader(self.state, self.memory, self.cfg, self.memory.load_checkpoint())
             else:
                 self._reader.read_file(run, self.lm.tokenizer, progress)
         return IngestReport(
