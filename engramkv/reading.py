@@ -30,6 +30,19 @@ from engramkv.retrieval.question import RecallPlan
 ProgressCallback = Callable[[IngestProgress], None]
 
 
+# Stream settings added since commits recorded them, with the value every stream committed before then was read with.
+_BEFORE_THE_KNOB = {"segmentation": {"min_surprise": 0.0, "predicted_event": None}}
+
+
+def stored_settings(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The stream settings a commit recorded (`snapshot`: a `load_checkpoint`), knobs added since filled in."""
+    stored = json.loads(snapshot["stream_config"])
+    for section, knobs in _BEFORE_THE_KNOB.items():
+        if isinstance(stored.get(section), dict):
+            stored[section] = {**knobs, **stored[section]}
+    return stored
+
+
 def continuing(config: EngineConfig, stored: dict[str, Any]) -> EngineConfig:
     """`config` to continue a stream written with the stream settings `stored` (`EngineConfig.stream_settings`).
 
@@ -191,7 +204,7 @@ class Reader:
                 "stream_config": json.dumps(self.cfg.stream_settings())}
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
-        stored, mine = json.loads(snapshot["stream_config"]), self.cfg.stream_settings()
+        stored, mine = stored_settings(snapshot), self.cfg.stream_settings()
         if stored != mine:
             changed = [k for k in mine if stored.get(k) != mine[k]]
             raise ConfigError(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
@@ -25,7 +24,7 @@ from engramkv.documents import IngestRun, check_document, tokenize_pieces
 from engramkv.engine.state import EpisodicState
 from engramkv.errors import ConfigError, EmptyInputError, EngramError, InputError, ReadOnlyError, SessionError
 from engramkv.memory.events import PersistentMemory
-from engramkv.reading import ProgressCallback, Reader, continuing
+from engramkv.reading import ProgressCallback, Reader, continuing, stored_settings
 from engramkv.results import Answer, IngestReport, RecalledEvent, SessionStats, recalled_events
 from engramkv.retrieval import allocation, question
 from engramkv.retrieval.allocation import Theta
@@ -65,7 +64,7 @@ class Session:
     def __init__(self, lm: Backbone, cfg: EngineConfig, memory: PersistentMemory, summary_layers: list[int]):
         snapshot = memory.load_checkpoint()
         if snapshot is not None:  # a stored stream: the settings it was written with, where cfg leaves them default
-            cfg = continuing(cfg, json.loads(snapshot["stream_config"]))
+            cfg = continuing(cfg, stored_settings(snapshot))
             check_span(cfg, lm.spec)
         self.lm, self.cfg, self.memory = lm, cfg, memory
         self.state = EpisodicState(lm.model, lm.rope, lm.spec, cfg, memory, summary_layers)

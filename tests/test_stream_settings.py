@@ -1,12 +1,14 @@
 """A stored stream keeps the settings it was written with: those a reopen leaves at their defaults follow the store
 (so a store outlives a change of the defaults), those it sets must match."""
 
+import json
+
 import pytest
 from conftest import tiny_pair
 
 from engramkv import ConfigError, EngineConfig
 from engramkv.config import SegmentationConfig, WindowConfig
-from engramkv.reading import continuing
+from engramkv.reading import continuing, stored_settings
 
 WINDOW = WindowConfig(chunk_size=32, n_sink=8, n_local=64)
 CFG = EngineConfig(window=WINDOW)
@@ -25,10 +27,17 @@ def test_settings_left_at_their_defaults_take_the_stored_values():
     assert continuing(CFG, CFG.stream_settings()) is CFG
 
 
-def test_a_stored_field_this_version_lacks_or_refuses_is_not_taken_silently():
+def test_a_commit_older_than_a_knob_reads_on_as_it_was_read_before_the_knob():
     stored = WRITTEN.stream_settings()
-    del stored["segmentation"]["min_surprise"]  # a store older than the knob: its value then is unknown
-    assert continuing(CFG, stored).segmentation.min_surprise == CFG.segmentation.min_surprise
+    del stored["segmentation"]["min_surprise"], stored["segmentation"]["predicted_event"]
+    settings = stored_settings({"stream_config": json.dumps(stored)})
+    assert (settings["segmentation"]["min_surprise"], settings["segmentation"]["predicted_event"]) == (0.0, None)
+    adopted = continuing(CFG, settings).segmentation
+    assert (adopted.min_surprise, adopted.predicted_event, adopted.gamma) == (0.0, None, 2.0)
+
+
+def test_stored_settings_this_version_refuses_are_an_error():
+    stored = WRITTEN.stream_settings()
     stored = WRITTEN.stream_settings()
     stored["segmentation"]["max_event"] = 1  # under min_event: not a config this version accepts
     with pytest.raises(ConfigError, match="segmentation"):
