@@ -48,14 +48,14 @@ class SegmentationConfig(_Strict):
         default="surprise", description="'uniform' cuts fixed blocks of uniform_size tokens (the InfLLM baseline)."
     )
     gamma: float = Field(default=1.0, description="Boundary when surprise > mean + gamma * std of the trailing window.")
-    min_surprise: float = Field(default=0.0, ge=0, description="A boundary's surprise must also exceed this "
-                                "(nats; cuts under it stay unrefined). 0: off until measured (benchmarks/README).")
+    min_surprise: float = Field(default=1.0, ge=0, description="A boundary's surprise must also exceed this "
+                                "(nats; cuts under it stay unrefined). 0: off (the old default; benchmarks/README).")
     surprise_window: int | None = Field(
         default=None, ge=2, description="Trailing window of the threshold; None means n_local - chunk_size."
     )
     min_event: int = Field(default=8, ge=1)
     max_event: int = Field(default=128, ge=2)
-    predicted_event: int | None = Field(default=None, ge=1, description="With min_surprise: also cut after this many "
+    predicted_event: int | None = Field(default=32, ge=1, description="With min_surprise: also cut after this many "
                                         "tokens in a row under it (not under min_event). None: off.")
     uniform_size: int = Field(default=128, ge=1)
 

@@ -43,7 +43,8 @@ def test_predicted_text_opens_no_event_however_flat_its_window():
     noise[250] = 6.0
     unfloored = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128, min_surprise=0), window=100)
     assert len(unfloored.push(noise)) > 10
-    floored = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128, min_surprise=1.0), window=100)
+    floored = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128, min_surprise=1.0, predicted_event=None),
+                              window=100)
     assert floored.push(noise) == [128, 250, 378]
     cadenced = OnlineSegmenter(SegmentationConfig(min_event=8, max_event=128, min_surprise=1.0, predicted_event=32),
                                window=100)

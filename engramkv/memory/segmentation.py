@@ -3,7 +3,7 @@
 Convention: a boundary is the index of the *first token of a new event* (the surprising
 token opens the event it belongs to). Token t is a candidate when
     s_t > mean + gamma * std   over the surprise of the `window` tokens before t
-and, with the optional floor (`min_surprise`, off by default), s_t > min_surprise.
+and, with the floor (`min_surprise`, 1.0 nat by default; 0 turns it off), s_t > min_surprise.
 The floor matters on text the model predicts: over repeated filler every surprise is near zero,
 the trailing std is tiny and the relative test alone fires on noise, so the cuts would depend on
 whatever the model happened to read before (a shard that starts cold cuts the same filler
