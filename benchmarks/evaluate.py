@@ -61,8 +61,8 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
                         help=f"one sample of three tasks on every default system at {QUICK_LENGTH} tokens (a few minutes)")
     parser.add_argument("--segmentation", type=json.loads, default={}, metavar="JSON",
                         help='fields of the segmentation config every engramkv system reads with, e.g. '
-                             '\'{"min_surprise": 1.0, "predicted_event": 32}\' (an opt-in setting measured on the '
-                             'grid before it becomes the default; recorded in each run; default: none)')
+                             '\'{"min_surprise": 0, "predicted_event": null}\' (no surprise floor, the default before '
+                             'it was measured; recorded in each run; default: none, the config\'s defaults)')
     parser.add_argument("--name", default="eval")
     parser.add_argument("--out", type=Path, default=OUT, help="results directory (default: benchmarks/results/evaluate)")
     parser.add_argument("--resume", action="store_true",

@@ -1,7 +1,8 @@
-"""A segmentation setting against the default on the same grid samples, from evaluation result files.
+"""A segmentation setting against the grid's on the same samples, from evaluation result files.
 
-An opt-in segmentation (`evaluate.py --segmentation JSON`, e.g. the surprise floor) is measured on the
-samples the grid already answered with the default; this pairs the two by (task, system, length, seed) and
+A segmentation (`evaluate.py --segmentation JSON`: the surprise floor, measured so before it became the default)
+is set against the samples the grid already answered (the allocation grid read them without the floor, the
+default of its time); this pairs the two by (task, system, length, seed) and
 writes `results/evaluate/{name}.{json,md}`: per task, length and engramkv system, the score both ways
 (n; 95% Wilson interval), the paired difference (95% bootstrap interval) with the samples better / worse
 (two-sided sign test), and the mean answer context both ways; then per task and system over all lengths
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setting", nargs="+", required=True, metavar="NAME",
                         help="result files (results/evaluate/NAME.json) read with one --segmentation setting")
     parser.add_argument("--default", nargs="+", default=["allocation_a", "allocation_b"], metavar="NAME",
-                        help="result files read with the default segmentation (default: the allocation grid's)")
+                        help="result files read with the default segmentation of their commit (default: the allocation grid's)")
     parser.add_argument("--dir", type=Path, default=RESULTS / "evaluate")
     parser.add_argument("--name", required=True, help="the report's file name")
     args = parser.parse_args(argv)

@@ -180,8 +180,8 @@ def main() -> None:
     parser.add_argument("--name", default="sharded_ingest")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--segmentation", type=json.loads, default={}, metavar="JSON",
-                        help='fields of the segmentation config for every ingest, e.g. \'{"min_surprise": 1.0, '
-                        '"predicted_event": 32}\' (the opt-in surprise floor)')
+                        help='fields of the segmentation config for every ingest, e.g. \'{"min_surprise": 0, '
+                        '"predicted_event": null}\' (no surprise floor; default: the config\'s defaults)')
     parser.add_argument("--no-write-through", action="store_true", help="also ingest sequentially with "
                         "store.hot_write_through off (every read of memory through the codec): how far the event count "
                         "moves when only the codec's rounding reaches the reading")
