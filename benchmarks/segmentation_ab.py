@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setting", nargs="+", required=True, metavar="NAME",
                         help="result files (results/evaluate/NAME.json) read with one --segmentation setting")
     parser.add_argument("--default", nargs="+", default=["allocation_a", "allocation_b"], metavar="NAME",
-                        help="result files read with the default segmentation of their commit (default: the allocation grid's)")
+                        help="result files read with the default segmentation of their commit (default: the allocation "
+                             "grid's)")
     parser.add_argument("--dir", type=Path, default=RESULTS / "evaluate")
     parser.add_argument("--name", required=True, help="the report's file name")
     args = parser.parse_args(argv)
