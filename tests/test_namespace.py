@@ -51,6 +51,22 @@ def test_a_commit_keeps_events_document_and_checkpoint(tmp_path, catalog_url):
         memory.close()
 
 
+def test_the_shortest_event_is_known_before_and_after_a_reopen(tmp_path, catalog_url):
+    with open_store(tmp_path, catalog_url) as store:
+        memory = open_namespace(store)
+        assert memory.shortest_event == 0
+        add_events(memory, 2, length=7)
+        add_events(memory, 1, length=3, seed=1)
+        add_events(memory, 1, length=9, seed=2)
+        assert memory.shortest_event == 3
+        memory.commit(snapshot(memory), None)
+        memory.close()
+    with open_store(tmp_path, catalog_url, read_only=True) as store:
+        memory = open_namespace(store)
+        assert memory.shortest_event == 3  # from the catalog's rows
+        memory.close()
+
+
 def test_drop_caches_sends_reads_to_the_cold_tier(tmp_path):
     with open_store(tmp_path, hot_write_through=False) as store:  # hot: what was decoded, as the cold tier gives it
         memory = open_namespace(store)

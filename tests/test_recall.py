@@ -1,4 +1,8 @@
+from collections import deque
+
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engramkv.config import RecallConfig
 from engramkv.memory.events import Event, InMemoryEventMemory
@@ -76,3 +80,71 @@ def test_lower_right_mask():
     # the cached one is the right end of a wider mask: the same values
     assert torch.equal(causal_mask(2, 4, torch.device("cpu")), mask)
     assert torch.equal(causal_mask(3, 5000, torch.device("cpu")), lower_right_causal_mask(3, 5000))
+
+
+# ------------------------------------------------------------------ the selection against its plain rule
+
+
+def _plain_select(memory, layer, query, cfg, min_event, buffer, budget, predicted_below):
+    """The selection as first written (one memory lookup per question asked): the oracle for `select_events`."""
+
+    def take(event_id, used):
+        if 0 <= event_id < len(memory) and event_id not in chosen:
+            length = memory.event(event_id).length
+            if used + length <= budget:
+                chosen.add(event_id)
+                used += length
+        return used
+
+    similarity_budget = int(budget * (1 - cfg.contiguity_fraction))
+    candidates, _ = memory.search(layer, query, k=max(1, budget // min_event))
+    chosen, hits, used = set(), [], 0
+    for event_id in candidates:
+        length = memory.event(event_id).length
+        if used + length <= similarity_budget:
+            chosen.add(event_id)
+            hits.append(event_id)
+            used += length
+    if not hits and candidates and memory.event(candidates[0]).length <= budget:
+        chosen.add(candidates[0])
+        hits.append(candidates[0])
+        used += memory.event(candidates[0]).length
+    ended = set()
+    for distance in range(1, cfg.max_neighbour_distance + 1):
+        for hit in hits:
+            after = hit + distance
+            if predicted_below > 0 and after < len(memory) and memory.event(after).surprise_max <= predicted_below:
+                ended.add(hit)
+            if hit not in ended:
+                used = take(after, used)
+            used = take(hit - distance, used)
+    for event_id in reversed(buffer):
+        used = take(event_id, used)
+    buffer.extend(hits)
+    return sorted(chosen)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 24), min_size=1, max_size=60), seed=st.integers(0, 2**16),
+       budget=st.integers(1, 200), fraction=st.sampled_from([0.0, 0.3, 0.7, 1.0]), distance=st.integers(0, 9),
+       floor=st.sampled_from([0.0, 1.0]), earlier=st.lists(st.integers(0, 70), max_size=4),
+       shortest=st.integers(1, 12))
+def test_selection_matches_its_plain_rule(lengths, seed, budget, fraction, distance, floor, earlier, shortest):
+    """Exactly the plain rule's choice, where the selection stops early once no event fits what is left."""
+    lengths = [max(n, shortest) for n in lengths]
+    gen = torch.Generator().manual_seed(seed)
+    layers, heads, dim = 1, 1, 4
+    memory = InMemoryEventMemory(layers, heads, dim, torch.float32)
+    start = 0
+    for i, n in enumerate(lengths):
+        kv = torch.zeros(layers, heads, n, dim)
+        surprise_max = float(torch.rand((), generator=gen) * 2)  # about half of them under a floor of 1
+        memory.add(Event(i, start, start + n, 0.5, surprise_max), kv, kv, torch.randn(layers, dim, generator=gen),
+                   torch.zeros(4), torch.zeros(n, dtype=torch.int32))
+        start += n
+    query = torch.randn(dim, generator=gen)
+    cfg = RecallConfig(budget_tokens=budget, contiguity_fraction=fraction, max_neighbour_distance=distance)
+    buffer, plain_buffer = deque(earlier, maxlen=4), deque(earlier, maxlen=4)
+    chosen = select_events(memory, 0, query, cfg, 8, buffer, predicted_below=floor)
+    assert chosen == _plain_select(memory, 0, query, cfg, 8, plain_buffer, budget, floor)
+    assert list(buffer) == list(plain_buffer)

@@ -78,6 +78,11 @@ class EventMemory(Protocol):
 
     def event(self, event_id: int) -> Event: ...
 
+    @property
+    def shortest_event(self) -> int:
+        """Tokens in the shortest event (0 while there is none): a budget with less left takes no more events."""
+        ...
+
     def tokens(self, event_id: int) -> list[int]:
         """The token ids the event covers."""
         ...
@@ -245,6 +250,10 @@ class TransientMemory(_NoPersistence):
     def event(self, event_id: int) -> Event:
         return self.inner.event(event_id)
 
+    @property
+    def shortest_event(self) -> int:
+        return self.inner.shortest_event
+
     def tokens(self, event_id: int) -> list[int]:
         return self.inner.tokens(event_id)
 
@@ -275,6 +284,7 @@ class InMemoryEventMemory(_NoPersistence):
         self.device = torch.device(device)
         self.kernels: Backend = kernels
         self.events: list[Event] = []
+        self.shortest_event = 0
         self._offsets: list[int] = []  # start of each event in the KV buffers
         # every layer in one buffer, so sealing an event is three copies, not three per layer
         self._keys = _GrowingBuffer((num_layers, num_kv_heads), (head_dim,), dtype, self.device)  # (layers, Hkv, T, D)
@@ -298,6 +308,7 @@ class InMemoryEventMemory(_NoPersistence):
             self._summaries = _GrowingBuffer((), (key_summary.numel(),), torch.float32, self.device)
         self._summaries.append(key_summary.float().reshape(1, -1))
         self._tokens.append(token_ids.to(torch.int32))
+        self.shortest_event = min(self.shortest_event, event.length) if self.events else event.length
         self.events.append(event)
 
     def __len__(self) -> int:

@@ -14,7 +14,7 @@ from collections import deque
 import torch
 
 from engramkv.config import RecallConfig
-from engramkv.memory.events import EventMemory
+from engramkv.memory.events import Event, EventMemory
 from engramkv.memory.segmentation import predicted
 
 
@@ -33,28 +33,21 @@ def select_events(
         return []
     similarity_budget = int(budget * (1 - cfg.contiguity_fraction))
     candidates, _ = memory.search(layer, query, k=max(1, budget // min_event))
-    chosen: set[int] = set()
+    picked = _Picked(memory, budget)
     hits: list[int] = []
-    used = 0
     for event_id in candidates:
-        length = memory.event(event_id).length
-        if used + length <= similarity_budget:
-            chosen.add(event_id)
+        if similarity_budget - picked.used < picked.shortest:
+            break
+        if picked.take(event_id, similarity_budget):
             hits.append(event_id)
-            used += length
-    if not hits and candidates:  # the best event alone is larger than the similarity share
-        first = candidates[0]
-        if memory.event(first).length <= budget:
-            chosen.add(first)
-            hits.append(first)
-            used += memory.event(first).length
-
-    used = add_neighbours(memory, chosen, hits, used, budget, cfg.max_neighbour_distance, predicted_below)
+    if not hits and candidates and picked.take(candidates[0]):  # the best event alone exceeds the similarity share
+        hits.append(candidates[0])
+    picked.add_neighbours(hits, cfg.max_neighbour_distance, predicted_below)
     if buffer is not None:
         for event_id in reversed(buffer):
-            used = _take(memory, chosen, event_id, used, budget)
+            picked.take(event_id)
         buffer.extend(hits)
-    return sorted(chosen)
+    return sorted(picked.chosen)
 
 
 def add_neighbours(
@@ -70,24 +63,54 @@ def add_neighbours(
     read just before the question, such filler is what the small model continues instead of answering
     (measured: the agent example's report). Filler before a hit is context like any other.
     """
-    ended: set[int] = set()  # hits whose following context stopped at predicted text
-    for distance in range(1, max_distance + 1):
-        for hit in hits:
-            after = hit + distance
-            # Without a floor nothing is predicted: skip the event lookup (this runs per layer and chunk).
-            if predicted_below > 0 and after < len(memory) and predicted(memory.event(after).surprise_max,
-                                                                          predicted_below):
-                ended.add(hit)
-            if hit not in ended:
-                used = _take(memory, chosen, after, used, budget)
-            used = _take(memory, chosen, hit - distance, used, budget)
-    return used
+    picked = _Picked(memory, budget, chosen, used)
+    picked.add_neighbours(hits, max_distance, predicted_below)
+    return picked.used
 
 
-def _take(memory: EventMemory, chosen: set[int], event_id: int, used: int, budget: int) -> int:
-    if 0 <= event_id < len(memory) and event_id not in chosen:
-        length = memory.event(event_id).length
-        if used + length <= budget:
-            chosen.add(event_id)
-            used += length
-    return used
+class _Picked:
+    """Events chosen under a token budget, each event looked up in memory once, and no look-up once what is left
+    of the budget is shorter than any event.
+
+    Recall runs per layer and chunk: its Python is host time a GPU waits on (issue 19). The neighbour stage asks
+    up to 2 * distance * hits times (about 740 per layer and chunk while reading random text, two thirds of them
+    after the budget was spent), and a store's `memory.event` builds an object per call."""
+
+    def __init__(self, memory: EventMemory, budget: int, chosen: set[int] | None = None, used: int = 0):
+        self.memory, self.budget, self.n_events = memory, budget, len(memory)
+        self.shortest = memory.shortest_event
+        self.chosen = set() if chosen is None else chosen  # filled in place: add_neighbours' callers read it
+        self.used = used
+        self._events: dict[int, Event] = {}
+
+    def event(self, event_id: int) -> Event:
+        event = self._events.get(event_id)
+        if event is None:
+            event = self._events[event_id] = self.memory.event(event_id)
+        return event
+
+    def take(self, event_id: int, budget: int | None = None) -> bool:
+        """Choose `event_id` if it exists, is not chosen yet and fits `budget` (default: the whole budget)."""
+        if not 0 <= event_id < self.n_events or event_id in self.chosen:
+            return False
+        length = self.event(event_id).length
+        if self.used + length > (self.budget if budget is None else budget):
+            return False
+        self.chosen.add(event_id)
+        self.used += length
+        return True
+
+    def add_neighbours(self, hits: list[int], max_distance: int, predicted_below: float) -> None:
+        ended: set[int] = set()  # hits whose following context stopped at predicted text
+        for distance in range(1, max_distance + 1):
+            for hit in hits:
+                if self.budget - self.used < self.shortest:
+                    return
+                after = hit + distance
+                # Without a floor nothing is predicted: skip the event lookup.
+                if predicted_below > 0 and after < self.n_events and predicted(self.event(after).surprise_max,
+                                                                                predicted_below):
+                    ended.add(hit)
+                if hit not in ended:
+                    self.take(after)
+                self.take(hit - distance)

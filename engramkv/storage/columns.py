@@ -15,11 +15,13 @@ class EventColumns:
         self.start, self.end = array("q"), array("q")
         self.segment, self.offset, self.length, self.crc = array("q"), array("q"), array("q"), array("q")
         self.surprise = array("d")  # mean, max interleaved
+        self.shortest = 0  # tokens in the shortest event (0 while there is none)
 
     def __len__(self) -> int:
         return len(self.start)
 
     def append(self, event: Event, ref: BlobRef) -> None:
+        self.shortest = min(self.shortest, event.length) if self.start else event.length
         self.start.append(event.start)
         self.end.append(event.end)
         self.segment.append(ref.segment)

@@ -94,6 +94,10 @@ class NamespaceMemory:
     def event(self, event_id: int) -> Event:
         return self._columns.event(event_id)
 
+    @property
+    def shortest_event(self) -> int:
+        return self._columns.shortest
+
     def blob_ref(self, event_id: int) -> BlobRef:
         """Where the event's blob lives in the cold tier (segment -1 for one added to a read-only namespace)."""
         return self._columns.ref(event_id)
