@@ -10,7 +10,8 @@ that starts before the local window's left edge:
     representatives = mean of the most-attended keys, per layer            # (layers, Hkv * D)
     key summary = mean unit key over the summary layers                    # (S * Hkv * D,)
 
-and hands the event to the event memory. Every count is derived from the tensors themselves
+and hands the event to the event memory (the representatives, summaries and surprise statistics of all the
+events one sealing seals are computed together). Every count is derived from the tensors themselves
 (`n_tokens = local_start + len(tail_tokens)`), so no counter can drift from what is held.
 """
 
@@ -27,7 +28,7 @@ from engramkv.config import EngineConfig
 from engramkv.memory.events import Event, EventMemory
 from engramkv.memory.refinement import refine_boundary, similarity_graph
 from engramkv.memory.segmentation import OnlineSegmenter, predicted
-from engramkv.memory.summary import key_summary, representatives
+from engramkv.memory.summary import key_summaries, representatives_of_events
 
 
 @dataclass
@@ -138,26 +139,30 @@ class Stream:
         return torch.cat(per_layer, dim=1).float().cpu()
 
     def _seal_events(self, layers: Sequence[LayerState], memory: EventMemory, ends: list[int]) -> None:
-        """Seal the events [local_start, ends[0]), [ends[0], ends[1]), ...: every layer's window is sliced once for
-        all of them (per event and layer it cost a host round trip on a GPU). What was handed to `memory` leaves
-        the window even when a later event fails."""
+        """Seal the events [local_start, ends[0]), [ends[0], ends[1]), ...: every layer's window is sliced once,
+        and representatives, key summaries and surprise statistics are computed for all of them at once (per
+        event, sealing cost ~90 host operations on random text: on a GPU, launches the engine waits on). What was
+        handed to `memory` leaves the window even when a later event fails."""
         if not ends:
             return
-        total = ends[-1] - self.local_start
+        counts = [b - a for a, b in zip([self.local_start, *ends], ends)]
+        total = sum(counts)
         keys = torch.stack([st.local_k[:, :total] for st in layers])  # (layers, Hkv, total, D)
         values = torch.stack([st.local_v[:, :total] for st in layers])  # (layers, Hkv, total, D)
         received = torch.stack([st.local_attention[:, :total] for st in layers])  # (layers, Hkv, total)
+        reps = representatives_of_events(keys, received, counts, self.cfg.representatives.keys_per_head)
+        summaries = key_summaries(keys[self.summary_layers], counts)  # (E, S * Hkv * D) on the keys' device
+        surprise, lengths = self.local_surprise[:total], torch.tensor(counts)  # (total,) on the host, (E,)
+        means = torch.segment_reduce(surprise.double(), "mean", lengths=lengths).tolist()
+        peaks = torch.segment_reduce(surprise, "max", lengths=lengths).tolist()
         sealed = 0  # tokens handed to memory
         try:
-            for end in ends:
+            for i, end in enumerate(ends):
                 a, b = sealed, end - self.local_start
-                event_keys = keys[:, :, a:b].contiguous()  # (layers, Hkv, n, D)
-                reps = representatives(event_keys, received[:, :, a:b], self.cfg.representatives.keys_per_head)
-                summary = key_summary(event_keys[self.summary_layers])  # (S * Hkv * D,) on the keys' device
-                surprise = self.local_surprise[a:b]
-                event = Event(id=len(memory), start=self.local_start + a, end=end,
-                              surprise_mean=float(surprise.mean()), surprise_max=float(surprise.max()))
-                memory.add(event, event_keys, values[:, :, a:b].contiguous(), reps, summary, self.tail_tokens[a:b])
+                event = Event(id=len(memory), start=self.local_start + a, end=end, surprise_mean=means[i],
+                              surprise_max=peaks[i])
+                memory.add(event, keys[:, :, a:b].contiguous(), values[:, :, a:b].contiguous(), reps[i], summaries[i],
+                           self.tail_tokens[a:b])
                 sealed = b
         finally:
             self._drop(layers, sealed)

@@ -22,39 +22,38 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 
 
-def similarity_graph(keys: torch.Tensor) -> torch.Tensor:  # keys (T, F) -> (T, T)
+def similarity_graph(keys: torch.Tensor) -> np.ndarray:  # keys (T, F) -> (T, T) float64
+    """The graph's weights; the rest of the refinement is NumPy on the host: each boundary is a few dozen
+    operations on a small matrix, where NumPy's per-operation cost is a fraction of PyTorch's."""
     keys = keys.float()
-    a = (keys @ keys.T).clamp(min=0).double()  # (T, T); float64 only for the prefix sums downstream
-    a.fill_diagonal_(0)
+    a = (keys @ keys.T).clamp(min=0).double().numpy()  # (T, T); float64 only for the prefix sums downstream
+    np.fill_diagonal(a, 0)
     return a
 
 
-def split_scores(adjacency: torch.Tensor, metric: Literal["modularity", "conductance"]) -> torch.Tensor:
+def split_scores(adjacency: np.ndarray, metric: Literal["modularity", "conductance"]) -> np.ndarray:
     """Score of cutting nodes [0, n) into [0, p) and [p, n), for every p in 0..n (higher is better)."""
-    n = adjacency.shape[0]
-    prefix = torch.zeros(n + 1, n + 1, dtype=torch.float64)
-    prefix[1:, 1:] = adjacency.double().cumsum(0).cumsum(1)  # prefix[i, j] = sum A[:i, :j]
-    p = torch.arange(n + 1)
-    w11 = prefix[p, p]  # block [0,p) x [0,p)
-    total = prefix[n, n]
-    row = prefix[p, n]  # rows [0,p), all columns = d1
-    d1 = row
+    prefix = adjacency.cumsum(0).cumsum(1)  # prefix[i, j] = sum A[:i+1, :j+1]
+    total = prefix[-1, -1]
+    w11 = np.concatenate(([0.0], prefix.diagonal()))  # block [0,p) x [0,p)
+    d1 = np.concatenate(([0.0], prefix[:, -1]))  # rows [0,p), all columns
     d2 = total - d1
     w12 = d1 - w11  # [0,p) x [p,n)
     w22 = total - 2 * w12 - w11
     if metric == "modularity":
-        two_m = total.clamp(min=1e-12)
+        two_m = max(total, 1e-12)
         return (w11 + w22) / two_m - (d1 / two_m) ** 2 - (d2 / two_m) ** 2
-    smaller = torch.minimum(d1, d2)
-    conductance = torch.where(smaller > 0, w12 / smaller.clamp(min=1e-12), torch.full_like(w12, float("inf")))
+    smaller = np.minimum(d1, d2)
+    conductance = np.where(smaller > 0, w12 / np.maximum(smaller, 1e-12), np.inf)
     return -conductance
 
 
 def refine_boundary(
-    adjacency: torch.Tensor,  # (n, n) over nodes [a, c)
+    adjacency: np.ndarray,  # (n, n) over nodes [a, c)
     boundary: int,  # b - a, the current split inside the node range
     min_split: int,
     metric: Literal["modularity", "conductance"],
@@ -66,7 +65,6 @@ def refine_boundary(
     if hi < lo:
         return boundary
     scores = split_scores(adjacency, metric)[lo : hi + 1]  # (hi - lo + 1,)
-    if not torch.isfinite(scores).any():
+    if not np.isfinite(scores).any():
         return boundary
-    best = int(torch.argmax(torch.nan_to_num(scores, neginf=-1e300)))
-    return lo + best
+    return lo + int(np.argmax(np.nan_to_num(scores, neginf=-1e300)))
