@@ -1,14 +1,17 @@
 from collections import deque
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engramkv.config import RecallConfig
+from engramkv.config import EngineConfig, RecallConfig, WindowConfig
 from engramkv.memory.events import Event, InMemoryEventMemory
 from engramkv.retrieval.recall import select_events
 from engramkv.engine.window import assemble, resident_columns, window_positions
 from engramkv.kernels.window_attention import causal_mask, lower_right_causal_mask
+
+from conftest import tiny_lm
 
 
 def _memory(lengths, hot=None):
@@ -148,3 +151,15 @@ def test_selection_matches_its_plain_rule(lengths, seed, budget, fraction, dista
     chosen = select_events(memory, 0, query, cfg, 8, buffer, predicted_below=floor)
     assert chosen == _plain_select(memory, 0, query, cfg, 8, plain_buffer, budget, floor)
     assert list(buffer) == list(plain_buffer)
+
+
+@pytest.mark.parametrize("scheme", ["contiguous", "fixed"])
+@pytest.mark.parametrize("n_memory", [0, 5])
+def test_rope_rows_are_those_of_the_window_positions(scheme, n_memory):
+    cfg = EngineConfig(window=WindowConfig(chunk_size=16, n_sink=8, n_local=512), recall=RecallConfig(positions=scheme))
+    state = tiny_lm("llama", cfg).session().state
+    like = torch.zeros(1, dtype=state.dtype)
+    cos, sin = state._cos_sin(3, n_memory, 7, 2, like)  # (N, D) each
+    positions = window_positions(3, n_memory, 7, 2, scheme)  # (N,)
+    table_cos, table_sin = state.rope.table(int(positions.max()) + 1, like)
+    assert torch.equal(cos, table_cos[positions]) and torch.equal(sin, table_sin[positions])

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from engramkv import hf
@@ -123,8 +124,7 @@ class EpisodicState:
         keys = assemble(st.sink_k, local_k, mem_k, k, split)  # (Hkv, N, D)
         values = assemble(st.sink_v, local_v, mem_v, v, split)  # (Hkv, N, D)
 
-        positions = window_positions(n_sink, n_mem, n_local, n_new, self.cfg.recall.positions)  # (N,)
-        cos, sin = self._cos_sin(positions, q)  # (N, D) each
+        cos, sin = self._cos_sin(n_sink, n_mem, n_local, n_new, q)  # (N, D) each
         # the queries whose attention each resident key received is counted (what picks representatives)
         n_probe = 0 if forward.probe else min(n_new, self.cfg.representatives.stat_queries)
         out, mass = window_attention(q, keys, values, cos, sin, scaling, n_probe, self.cfg.model.kernels)
@@ -146,13 +146,19 @@ class EpisodicState:
             self._append(st, k, v, received)
         return out[None].transpose(1, 2)
 
-    def _cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(positions.max()) + 1
+    def _cos_sin(self, n_sink: int, n_mem: int, n_local: int, n_new: int,
+                 like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (N, D) each
+        """RoPE's cos and sin at each window key's position (`window_positions`)."""
+        scheme = self.cfg.recall.positions
+        n_window = n_sink + n_mem + n_local + n_new
+        positions = None if scheme == "contiguous" or n_mem == 0 else window_positions(
+            n_sink, n_mem, n_local, n_new, scheme)  # (N,); None: 0..N-1
+        needed = n_window if positions is None else int(positions.max()) + 1
         if self._rope_table is None or self._rope_table[0].shape[0] < needed:
             self._rope_table = self.rope.table(max(needed, self.cfg.attention_span()), like)
         cos, sin = self._rope_table
-        if self.cfg.recall.positions == "contiguous":  # positions are 0..N-1: a view, no gather
-            return cos[:needed], sin[:needed]
+        if positions is None:  # a view of the table, no gather
+            return cos[:n_window], sin[:n_window]
         index = positions.to(self.device)
         return cos.index_select(0, index), sin.index_select(0, index)
 
@@ -195,12 +201,10 @@ class EpisodicState:
         n_local_old = st.local_k.shape[1]
         st.local_k = torch.cat([st.local_k, k[:, to_sink:]], dim=1)
         st.local_v = torch.cat([st.local_v, v[:, to_sink:]], dim=1)
-        fresh = torch.zeros(received.shape[0], k.shape[1] - to_sink, device=received.device)
-        accumulated = torch.cat([st.local_attention, fresh], dim=1)
         # `received` covers [local (old) | new]; the sink part of the new tokens is dropped.
-        accumulated[:, :n_local_old] += received[:, :n_local_old]
-        accumulated[:, n_local_old:] += received[:, n_local_old + to_sink :]
-        st.local_attention = accumulated
+        if to_sink:
+            received = torch.cat([received[:, :n_local_old], received[:, n_local_old + to_sink :]], dim=1)
+        st.local_attention = F.pad(st.local_attention, (0, k.shape[1] - to_sink)) + received  # (Hkv, L + C')
 
     # ------------------------------------------------------------------ stream processing
     @torch.inference_mode()

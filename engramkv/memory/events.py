@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from engramkv.errors import SessionError
@@ -337,13 +338,13 @@ class InMemoryEventMemory(_NoPersistence):
         return top.indices.tolist(), top.values.tolist()
 
     def gather(self, layer: int, event_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        # the rows of every event at once: offset of its event + position inside it (one arange per event cost a
-        # few thousand host-side ops per chunk)
-        starts = torch.tensor([self._offsets[i] for i in event_ids], dtype=torch.long)  # (E,)
-        lengths = torch.tensor([self.events[i].length for i in event_ids], dtype=torch.long)  # (E,)
-        firsts = torch.cumsum(lengths, 0) - lengths  # (E,) where each event begins in the result
-        index = torch.arange(int(lengths.sum())) + torch.repeat_interleave(starts - firsts, lengths)  # (M,)
-        index = index.to(self.device)
+        # the rows of every event at once: offset of its event + position inside it, built in NumPy on the host
+        # (as torch operations it was a dozen per layer and chunk; one arange per event, a few thousand)
+        starts = np.array([self._offsets[i] for i in event_ids], dtype=np.int64)  # (E,)
+        lengths = np.array([self.events[i].length for i in event_ids], dtype=np.int64)  # (E,)
+        firsts = np.cumsum(lengths) - lengths  # (E,) where each event begins in the result
+        index = np.arange(int(lengths.sum())) + np.repeat(starts - firsts, lengths)  # (M,)
+        index = torch.from_numpy(index).to(self.device)
         keys = self._keys.view()[layer].index_select(1, index)  # (Hkv, M, D)
         values = self._values.view()[layer].index_select(1, index)  # (Hkv, M, D)
         return keys, values
