@@ -1,4 +1,4 @@
-"""Host-side work per ingested chunk: tensor operations dispatched and host time, this checkout against an earlier commit's.
+"""Host-side work per ingested chunk: operations dispatched and host time, this checkout against an earlier commit's.
 
 On a GPU the engine waits on Python (issue 19: on the H200, 590 ms of host time against 71 ms of GPU time for
 four chunks), and each operation on a CUDA tensor is at least one launch or one host step. How many operations a
@@ -175,7 +175,8 @@ def main() -> None:
              "alternating, one thread, medians.", "",
              "| side | ops per chunk | host ms per chunk outside window attention | events per chunk |",
              "|---|---|---|---|",
-             f"| baseline {baseline[:7]} | {old['ops_per_chunk']:,.0f} | {old_ms:.1f} | {old['events_per_chunk']:.1f} |",
+             f"| baseline {baseline[:7]} | {old['ops_per_chunk']:,.0f} | {old_ms:.1f} | "
+             f"{old['events_per_chunk']:.1f} |",
              f"| this checkout | {this['ops_per_chunk']:,.0f} | {this_ms:.1f} | {this['events_per_chunk']:.1f} |", "",
              f"**This / baseline: {this['ops_per_chunk'] / old['ops_per_chunk']:.2f}** of the operations, "
              f"**{this_ms / old_ms:.2f}** of the host time outside window attention "

@@ -293,12 +293,12 @@ class Answerer:
         """The plan under `theta`: the first round's hits, then (n > 1) each draft round's. `window_end`: the
         stream index the window's w tokens count back from (the turn's start); `budget`: the memory tokens of
         all rounds (`memory_budget`), shared evenly."""
-        recall, n_local, floor = self.cfg.recall, self.cfg.window.n_local, self.cfg.segmentation.min_surprise
+        recall, n_local, surprise_floor = self.cfg.recall, self.cfg.window.n_local, self.cfg.segmentation.min_surprise
         local_tokens = window_end - self.state.stream.local_start
         window_from = None if theta.w >= min(n_local, local_tokens) else window_end - theta.w
         per_round = budget // theta.n
         plan = question.plan_answer(self.memory, assessment.matched, recall, self.state.n_tokens, per_round,
-                                    theta.k, window_from, floor)
+                                    theta.k, window_from, surprise_floor)
         hits = list(plan.hits)
         keyed = [(event_id, assessment.matched.keys) for event_id, _ in hits]  # the keys each hit was found by
         for round_ in range(2, theta.n + 1):
@@ -314,7 +314,7 @@ class Answerer:
                     hits.append(hit)
                     keyed.append((hit[0], keys))
             events, parts = question.read_hits(self.memory, keyed, self.state.summary_layers, per_round * round_,
-                                               recall, floor)
+                                               recall, surprise_floor)
             plan = RecallPlan(events, per_round * round_, plan.memory_at, tuple(hits), window_from,
                               event_tokens=parts)
         return dataclasses.replace(plan, theta=theta, features=assessment.reported)
@@ -354,7 +354,8 @@ class Answerer:
         while True:
             probe = self.state.probe(torch.tensor(prompt_ids + draft, dtype=torch.long), plan)
             token = int(probe.last_logits.argmax())
-            if len(draft) == self.cfg.allocation.draft_tokens or token in stop or "\n" in self.tokenizer.decode([token]):
+            if (len(draft) == self.cfg.allocation.draft_tokens or token in stop
+                    or "\n" in self.tokenizer.decode([token])):
                 break
             draft.append(token)
         if not draft:

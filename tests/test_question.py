@@ -89,7 +89,7 @@ def test_predicted_text_after_a_hit_ends_its_context_there_but_not_before_it():
     assert answer_events(memory, [5], budget=60, max_distance=8) == [3, 4, 5, 6, 7, 8]  # no floor: nearest first
     # With the floor: nothing at or past the filler after the hit (the model would read on into it), while the
     # filler before it is context like any other.
-    assert answer_events(memory, [5], budget=60, max_distance=8, predicted_below=1.0) == [1, 2, 3, 4, 5, 6]
+    assert answer_events(memory, [5], budget=60, max_distance=8, surprise_floor=1.0) == [1, 2, 3, 4, 5, 6]
 
 
 def _stream(n, seed=0):

@@ -88,7 +88,7 @@ def test_lower_right_mask():
 # ------------------------------------------------------------------ the selection against its plain rule
 
 
-def _plain_select(memory, layer, query, cfg, min_event, buffer, budget, predicted_below):
+def _plain_select(memory, layer, query, cfg, min_event, buffer, budget, surprise_floor):
     """The selection as first written (one memory lookup per question asked): the oracle for `select_events`."""
 
     def take(event_id, used):
@@ -116,7 +116,7 @@ def _plain_select(memory, layer, query, cfg, min_event, buffer, budget, predicte
     for distance in range(1, cfg.max_neighbour_distance + 1):
         for hit in hits:
             after = hit + distance
-            if predicted_below > 0 and after < len(memory) and memory.event(after).surprise_max <= predicted_below:
+            if surprise_floor > 0 and after < len(memory) and memory.event(after).surprise_max <= surprise_floor:
                 ended.add(hit)
             if hit not in ended:
                 used = take(after, used)
@@ -148,7 +148,7 @@ def test_selection_matches_its_plain_rule(lengths, seed, budget, fraction, dista
     query = torch.randn(dim, generator=gen)
     cfg = RecallConfig(budget_tokens=budget, contiguity_fraction=fraction, max_neighbour_distance=distance)
     buffer, plain_buffer = deque(earlier, maxlen=4), deque(earlier, maxlen=4)
-    chosen = select_events(memory, 0, query, cfg, 8, buffer, predicted_below=floor)
+    chosen = select_events(memory, 0, query, cfg, 8, buffer, surprise_floor=floor)
     assert chosen == _plain_select(memory, 0, query, cfg, 8, plain_buffer, budget, floor)
     assert list(buffer) == list(plain_buffer)
 

@@ -37,12 +37,14 @@ def test_representatives_of_events_are_each_events_own(counts, keys_per_head, se
 
 
 def test_a_sealing_of_several_events_gives_each_its_own_statistics():
-    cfg = EngineConfig(window=WindowConfig(n_sink=0, n_local=16, chunk_size=8), refinement=RefinementConfig(enabled=False),
+    cfg = EngineConfig(window=WindowConfig(n_sink=0, n_local=16, chunk_size=8),
+                       refinement=RefinementConfig(enabled=False),
                        representatives=RepresentativeConfig(keys_per_head=3))
     stream = Stream(cfg, summary_layers=[0, 2])
     gen = torch.Generator().manual_seed(0)
     n = 60
-    layers = [LayerState(torch.empty(HEADS, 0, DIM), torch.empty(HEADS, 0, DIM), torch.randn(HEADS, n, DIM, generator=gen),
+    empty = torch.empty(HEADS, 0, DIM)
+    layers = [LayerState(empty, empty, torch.randn(HEADS, n, DIM, generator=gen),
                          torch.randn(HEADS, n, DIM, generator=gen), torch.rand(HEADS, n, generator=gen))
               for _ in range(LAYERS)]
     stream.tail_tokens = torch.arange(n, dtype=torch.int32)

@@ -134,7 +134,7 @@ def plan_answer(
     budget: int,  # memory tokens per layer (`answer_budget`, or k * s * n of a theta)
     k: int | None = None,  # hits pinned (default cfg.answer_hits)
     window_from: int | None = None,  # the oldest local token attended (None: the whole window)
-    floor: float = 0.0,  # the segmentation's surprise floor (`recall.add_neighbours`)
+    surprise_floor: float = 0.0,  # the segmentation's floor, `min_surprise` (`recall.add_neighbours`)
 ) -> RecallPlan:
     """The events an answer attends to: the best `k` hits and their neighbours in time, or nothing when the
     whole resident window is attended and matches the question better (memory would only crowd it:
@@ -146,7 +146,7 @@ def plan_answer(
         return RecallPlan(events=(), budget=budget)
     before_question = cfg.answer_layout == "before_question" and cfg.positions == "contiguous"
     memory_at = prompt_start if before_question else None
-    events, parts = read_hits(memory, [(e, matched.keys) for e, _ in hits], matched.layers, budget, cfg, floor)
+    events, parts = read_hits(memory, [(e, matched.keys) for e, _ in hits], matched.layers, budget, cfg, surprise_floor)
     return RecallPlan(events, budget, memory_at, tuple(hits), window_from, event_tokens=parts)
 
 
@@ -156,13 +156,13 @@ def read_hits(
     layers: Sequence[int],
     budget: int,
     cfg: RecallConfig,
-    floor: float = 0.0,  # the segmentation's surprise floor (`recall.add_neighbours`)
+    surprise_floor: float = 0.0,  # the segmentation's floor, `min_surprise` (`recall.add_neighbours`)
 ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...] | None]:
     """What an answer reads of its hits within `budget` (`recall.answer_reading`): the events, chronological,
     and their parts read (None: whole events)."""
     if cfg.answer_reading == "centred" and all(keys is not None for _, keys in hits):
         return centred_parts(memory, hits, layers, budget, cfg)  # type: ignore[arg-type]  # keys checked above
-    return tuple(answer_events(memory, [e for e, _ in hits], budget, cfg.max_neighbour_distance, floor)), None
+    return tuple(answer_events(memory, [e for e, _ in hits], budget, cfg.max_neighbour_distance, surprise_floor)), None
 
 
 def match(
@@ -331,7 +331,7 @@ def rank_question(
 
 
 def answer_events(memory: EventMemory, hits: Sequence[int], budget: int, max_distance: int,
-                  predicted_below: float = 0.0) -> list[int]:
+                  surprise_floor: float = 0.0) -> list[int]:
     """The hits (best first, while they fit) and their temporal neighbours, up to `budget` tokens; chronological."""
     chosen: set[int] = set()
     used = 0
@@ -340,7 +340,7 @@ def answer_events(memory: EventMemory, hits: Sequence[int], budget: int, max_dis
         if used + length <= budget:
             chosen.add(event_id)
             used += length
-    add_neighbours(memory, chosen, [h for h in hits if h in chosen], used, budget, max_distance, predicted_below)
+    add_neighbours(memory, chosen, [h for h in hits if h in chosen], used, budget, max_distance, surprise_floor)
     return sorted(chosen)
 
 

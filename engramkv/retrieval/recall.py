@@ -26,7 +26,7 @@ def select_events(
     min_event: int,
     buffer: deque[int] | None = None,
     budget: int | None = None,  # memory tokens to fill (default cfg.budget_tokens)
-    predicted_below: float = 0.0,  # the segmentation's surprise floor (see add_neighbours)
+    surprise_floor: float = 0.0,  # the segmentation's floor, `min_surprise` (see add_neighbours)
 ) -> list[int]:
     budget = cfg.budget_tokens if budget is None else budget
     if len(memory) == 0 or budget == 0:
@@ -42,7 +42,7 @@ def select_events(
             hits.append(event_id)
     if not hits and candidates and picked.take(candidates[0]):  # the best event alone exceeds the similarity share
         hits.append(candidates[0])
-    picked.add_neighbours(hits, cfg.max_neighbour_distance, predicted_below)
+    picked.add_neighbours(hits, cfg.max_neighbour_distance, surprise_floor)
     if buffer is not None:
         for event_id in reversed(buffer):
             picked.take(event_id)
@@ -52,19 +52,19 @@ def select_events(
 
 def add_neighbours(
     memory: EventMemory, chosen: set[int], hits: list[int], used: int, budget: int, max_distance: int,
-    predicted_below: float = 0.0,
+    surprise_floor: float = 0.0,
 ) -> int:
     """Add temporal neighbours of `hits` (up to `max_distance` away) to `chosen`, nearest first, while `used`
     stays within `budget`.
 
     Returns the tokens used after. id+1 comes before id-1: what follows a match usually completes it. With
-    `predicted_below` > 0 (the segmentation's surprise floor), an event after a hit that the model predicted
+    `surprise_floor` > 0 (the segmentation's `min_surprise`), an event after a hit that the model predicted
     whole (its largest surprise at or below the floor: a run of filler) ends the hit's context on that side:
     read just before the question, such filler is what the small model continues instead of answering
     (measured: the agent example's report). Filler before a hit is context like any other.
     """
     picked = _Picked(memory, budget, chosen, used)
-    picked.add_neighbours(hits, max_distance, predicted_below)
+    picked.add_neighbours(hits, max_distance, surprise_floor)
     return picked.used
 
 
@@ -100,7 +100,7 @@ class _Picked:
         self.used += length
         return True
 
-    def add_neighbours(self, hits: list[int], max_distance: int, predicted_below: float) -> None:
+    def add_neighbours(self, hits: list[int], max_distance: int, surprise_floor: float) -> None:
         ended: set[int] = set()  # hits whose following context stopped at predicted text
         for distance in range(1, max_distance + 1):
             for hit in hits:
@@ -108,8 +108,8 @@ class _Picked:
                     return
                 after = hit + distance
                 # Without a floor nothing is predicted: skip the event lookup.
-                if predicted_below > 0 and after < self.n_events and predicted(self.event(after).surprise_max,
-                                                                                predicted_below):
+                if surprise_floor > 0 and after < self.n_events and predicted(self.event(after).surprise_max,
+                                                                               surprise_floor):
                     ended.add(hit)
                 if hit not in ended:
                     self.take(after)
