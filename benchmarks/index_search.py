@@ -50,11 +50,11 @@ def fill(path: Path, index_cfg: IndexConfig, events: int) -> tuple[EventStore, A
     heads, dim = SPEC.num_kv_heads, SPEC.head_dim
     for event_id in range(events):
         start = event_id * EVENT_TOKENS
-        memory.add(Event(event_id, start, start + EVENT_TOKENS, surprise_mean=1.0, surprise_max=2.0),
+        memory.add([Event(event_id, start, start + EVENT_TOKENS, surprise_mean=1.0, surprise_max=2.0)],
                    keys=torch.randn(SPEC.num_layers, heads, EVENT_TOKENS, dim, generator=g),
                    values=torch.randn(SPEC.num_layers, heads, EVENT_TOKENS, dim, generator=g),
-                   representatives=torch.randn(SPEC.num_layers, heads * dim, generator=g),
-                   key_summary=torch.randn(len(SUMMARY_LAYERS) * heads * dim, generator=g),
+                   representatives=torch.randn(1, SPEC.num_layers, heads * dim, generator=g),
+                   key_summaries=torch.randn(1, len(SUMMARY_LAYERS) * heads * dim, generator=g),
                    token_ids=torch.zeros(EVENT_TOKENS, dtype=torch.long))
         if (event_id + 1) % 1000 == 0:
             memory.commit({"engine": {"n_tokens": start + EVENT_TOKENS}})

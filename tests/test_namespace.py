@@ -90,9 +90,10 @@ def test_a_new_events_exact_kv_is_read_while_hot_when_written_through(tmp_path, 
         memory = open_namespace(store)
         g = torch.Generator().manual_seed(3)
         keys, values = (torch.randn(SPEC.num_layers, SPEC.num_kv_heads, 6, SPEC.head_dim, generator=g) for _ in "kv")
-        memory.add(Event(0, 0, 6, surprise_mean=1.0, surprise_max=2.0), keys, values,
-                   torch.randn(SPEC.num_layers, SPEC.num_kv_heads * SPEC.head_dim, generator=g),
-                   torch.randn(len(SUMMARY_LAYERS) * SPEC.num_kv_heads * SPEC.head_dim, generator=g), torch.arange(6))
+        memory.add([Event(0, 0, 6, surprise_mean=1.0, surprise_max=2.0)], keys, values,
+                   torch.randn(1, SPEC.num_layers, SPEC.num_kv_heads * SPEC.head_dim, generator=g),
+                   torch.randn(1, len(SUMMARY_LAYERS) * SPEC.num_kv_heads * SPEC.head_dim, generator=g),
+                   torch.arange(6))
         exact = keys[1].to(memory.dtype, copy=True), values[1].to(memory.dtype, copy=True)
         first = memory.gather(1, [0])
         keys[:], values[:] = 0.0, 0.0  # the caller's buffers move on: the hot tier holds copies
@@ -114,9 +115,9 @@ def test_written_through_kv_outlives_the_lru_until_the_commit(tmp_path):
         exact = []
         for event in range(4):
             keys, values = (torch.randn(SPEC.num_layers, SPEC.num_kv_heads, 5, SPEC.head_dim, generator=g) for _ in "kv")
-            memory.add(Event(event, 5 * event, 5 * event + 5, surprise_mean=1.0, surprise_max=2.0), keys, values,
-                       torch.randn(SPEC.num_layers, SPEC.num_kv_heads * SPEC.head_dim, generator=g),
-                       torch.randn(len(SUMMARY_LAYERS) * SPEC.num_kv_heads * SPEC.head_dim, generator=g),
+            memory.add([Event(event, 5 * event, 5 * event + 5, surprise_mean=1.0, surprise_max=2.0)], keys, values,
+                       torch.randn(1, SPEC.num_layers, SPEC.num_kv_heads * SPEC.head_dim, generator=g),
+                       torch.randn(1, len(SUMMARY_LAYERS) * SPEC.num_kv_heads * SPEC.head_dim, generator=g),
                        torch.arange(5))
             exact.append(keys[2].to(memory.dtype))
         assert all(torch.equal(memory.gather(2, [e])[0], exact[e]) for e in range(4))
@@ -161,13 +162,13 @@ def test_misuse_is_a_store_error(tmp_path):
         memory = open_namespace(store)
         add_events(memory, 1)
         keys = torch.zeros(SPEC.num_layers, SPEC.num_kv_heads, 5, SPEC.head_dim)  # (L, Hkv, T, D)
-        reps, summary, tokens = torch.zeros(SPEC.num_layers, 16), torch.zeros(16), torch.arange(5)
+        reps, summary, tokens = torch.zeros(1, SPEC.num_layers, 16), torch.zeros(1, 16), torch.arange(5)
         with pytest.raises(StoreError, match="consecutive"):
-            memory.add(Event(5, 5, 10, 0.0, 0.0), keys, keys, reps, summary, tokens)
+            memory.add([Event(5, 5, 10, 0.0, 0.0)], keys, keys, reps, summary, tokens)
         with pytest.raises(StoreError, match="float16"):
-            memory.add(Event(1, 5, 10, 0.0, 0.0), keys + float("nan"), keys, reps, summary, tokens)
+            memory.add([Event(1, 5, 10, 0.0, 0.0)], keys + float("nan"), keys, reps, summary, tokens)
         with pytest.raises(StoreError, match="do not match"):
-            memory.add(Event(1, 5, 10, 0.0, 0.0), keys, keys, reps, summary, tokens[:4])
+            memory.add([Event(1, 5, 10, 0.0, 0.0)], keys, keys, reps, summary, tokens[:4])
         assert len(memory) == 1
         memory.close()
         memory.close()  # twice is fine

@@ -51,8 +51,8 @@ def _memory(event_keys: list[torch.Tensor], surprise_max: list[float] | None = N
         per_layer = keys[None].expand(LAYERS, -1, -1, -1)  # (layers, Hkv, n, D)
         reps = torch.zeros(LAYERS, HEADS * DIM)
         peak = 1.0 if surprise_max is None else surprise_max[i]
-        memory.add(Event(i, start, start + n, 1.0, peak), per_layer, per_layer, reps, key_summary(per_layer),
-                   torch.zeros(n, dtype=torch.int32))
+        memory.add([Event(i, start, start + n, 1.0, peak)], per_layer, per_layer, reps[None],
+                   key_summary(per_layer)[None], torch.zeros(n, dtype=torch.int32))
         start += n
     return memory
 

@@ -23,7 +23,8 @@ def _memory(lengths, hot=None):
         rep[:, 0] = 10.0 if i == hot else float(i % 3)
         kv = torch.full((layers, heads, n, dim), float(i))
         summary = torch.zeros(layers * heads * dim)
-        memory.add(Event(i, start, start + n, 1.0, 2.0), kv, kv, rep, summary, torch.zeros(n, dtype=torch.int32))
+        memory.add([Event(i, start, start + n, 1.0, 2.0)], kv, kv, rep[None], summary[None],
+                   torch.zeros(n, dtype=torch.int32))
         start += n
     return memory
 
@@ -142,8 +143,8 @@ def test_selection_matches_its_plain_rule(lengths, seed, budget, fraction, dista
     for i, n in enumerate(lengths):
         kv = torch.zeros(layers, heads, n, dim)
         surprise_max = float(torch.rand((), generator=gen) * 2)  # about half of them under a floor of 1
-        memory.add(Event(i, start, start + n, 0.5, surprise_max), kv, kv, torch.randn(layers, dim, generator=gen),
-                   torch.zeros(4), torch.zeros(n, dtype=torch.int32))
+        memory.add([Event(i, start, start + n, 0.5, surprise_max)], kv, kv, torch.randn(1, layers, dim, generator=gen),
+                   torch.zeros(1, 4), torch.zeros(n, dtype=torch.int32))
         start += n
     query = torch.randn(dim, generator=gen)
     cfg = RecallConfig(budget_tokens=budget, contiguity_fraction=fraction, max_neighbour_distance=distance)

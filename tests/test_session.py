@@ -127,11 +127,16 @@ def test_window_positions_stay_inside_the_trained_length(monkeypatch, positions)
 
     cfg = CFG.model_copy(update={"recall": CFG.recall.model_copy(update={"positions": positions})})
     _, lm = tiny_pair("llama", cfg)
-    seen = []
-    original = engine.window_positions
-    monkeypatch.setattr(engine, "window_positions", lambda *a: seen.append(original(*a)) or seen[-1])
+    seen = []  # the largest position of each window attended
+    original = engine.EpisodicState._cos_sin
+
+    def spy(self, n_sink, n_mem, n_local, n_new, like):
+        seen.append(int(engine.window_positions(n_sink, n_mem, n_local, n_new, positions).max()))
+        return original(self, n_sink, n_mem, n_local, n_new, like)
+
+    monkeypatch.setattr(engine.EpisodicState, "_cos_sin", spy)
     lm.session().ingest(" ".join(map(str, _stream(3000))))
-    assert max(int(p.max()) for p in seen) < cfg.attention_span()  # 3000 tokens read, positions stay small
+    assert max(seen) < cfg.attention_span()  # 3000 tokens read, positions stay small
 
 
 def test_long_generation_seals_events_and_keeps_the_window_bounded():
@@ -298,11 +303,16 @@ def test_a_failed_seal_leaves_the_window_holding_exactly_what_memory_lacks():
     have left the window and the rest are still there, so no token is lost or held twice."""
     from engramkv.memory.events import InMemoryEventMemory
 
-    class Refusing(InMemoryEventMemory):
-        def add(self, event, *args):
-            if len(self) == 5:
-                raise OSError("disk full")
-            super().add(event, *args)
+    class Refusing(InMemoryEventMemory):  # takes events one at a time, as a store does, and refuses the sixth
+        def add(self, events, keys, values, representatives, key_summaries, token_ids):
+            start = 0
+            for i, event in enumerate(events):
+                if len(self) == 5:
+                    raise OSError("disk full")
+                part = slice(start, start + event.length)
+                super().add([event], keys[:, :, part], values[:, :, part], representatives[i : i + 1],
+                            key_summaries[i : i + 1], token_ids[part])
+                start += event.length
 
     _, lm = tiny_pair("llama", CFG)
     session = lm.session(memory=Refusing(lm.spec.num_layers, lm.spec.num_kv_heads, lm.spec.head_dim, torch.float32))

@@ -34,11 +34,11 @@ def add_events(memory: NamespaceMemory, n: int, length: int = 5, seed: int = 0) 
         event_id = len(memory)
         start = memory.event(event_id - 1).end if event_id else 0
         memory.add(
-            Event(event_id, start, start + length, surprise_mean=1.0 + event_id, surprise_max=2.0 + event_id),
+            [Event(event_id, start, start + length, surprise_mean=1.0 + event_id, surprise_max=2.0 + event_id)],
             keys=torch.randn(layers, heads, length, dim, generator=g),  # (L, Hkv, T, D)
             values=torch.randn(layers, heads, length, dim, generator=g),  # (L, Hkv, T, D)
-            representatives=torch.randn(layers, heads * dim, generator=g),  # (L, F)
-            key_summary=torch.randn(len(SUMMARY_LAYERS) * heads * dim, generator=g),  # (S,)
+            representatives=torch.randn(1, layers, heads * dim, generator=g),  # (E, L, F)
+            key_summaries=torch.randn(1, len(SUMMARY_LAYERS) * heads * dim, generator=g),  # (E, S)
             token_ids=torch.arange(start, start + length) % 256,  # (T,)
         )
 

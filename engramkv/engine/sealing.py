@@ -141,8 +141,8 @@ class Stream:
     def _seal_events(self, layers: Sequence[LayerState], memory: EventMemory, ends: list[int]) -> None:
         """Seal the events [local_start, ends[0]), [ends[0], ends[1]), ...: every layer's window is sliced once,
         and representatives, key summaries and surprise statistics are computed for all of them at once (per
-        event, sealing cost ~90 host operations on random text: on a GPU, launches the engine waits on). What was
-        handed to `memory` leaves the window even when a later event fails."""
+        event, sealing cost ~90 host operations on random text: on a GPU, launches the engine waits on), and handed
+        to `memory` together. What memory took leaves the window even when a later event fails."""
         if not ends:
             return
         counts = [b - a for a, b in zip([self.local_start, *ends], ends)]
@@ -155,17 +155,13 @@ class Stream:
         surprise, lengths = self.local_surprise[:total], torch.tensor(counts)  # (total,) on the host, (E,)
         means = torch.segment_reduce(surprise.double(), "mean", lengths=lengths).tolist()
         peaks = torch.segment_reduce(surprise, "max", lengths=lengths).tolist()
-        sealed = 0  # tokens handed to memory
+        first = len(memory)
+        events = [Event(id=first + i, start=a, end=b, surprise_mean=means[i], surprise_max=peaks[i])
+                  for i, (a, b) in enumerate(zip([self.local_start, *ends], ends))]
         try:
-            for i, end in enumerate(ends):
-                a, b = sealed, end - self.local_start
-                event = Event(id=len(memory), start=self.local_start + a, end=end, surprise_mean=means[i],
-                              surprise_max=peaks[i])
-                memory.add(event, keys[:, :, a:b].contiguous(), values[:, :, a:b].contiguous(), reps[i], summaries[i],
-                           self.tail_tokens[a:b])
-                sealed = b
-        finally:
-            self._drop(layers, sealed)
+            memory.add(events, keys, values, reps, summaries, self.tail_tokens[:total])
+        finally:  # what memory took leaves the window, even when a later event failed
+            self._drop(layers, sum(counts[: len(memory) - first]))
 
     def _drop(self, layers: Sequence[LayerState], n: int) -> None:
         """The first `n` unsealed tokens leave the window (they are in memory now)."""

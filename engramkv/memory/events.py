@@ -67,13 +67,15 @@ class EventMemory(Protocol):
 
     def add(
         self,
-        event: Event,
-        keys: torch.Tensor,  # (layers, Hkv, L, D)
-        values: torch.Tensor,  # (layers, Hkv, L, D)
-        representatives: torch.Tensor,  # (layers, Hkv * D)
-        key_summary: torch.Tensor,  # (S,)
-        token_ids: torch.Tensor,  # (L,) int
-    ) -> None: ...
+        events: Sequence[Event],  # E events, ids consecutive from len(self)
+        keys: torch.Tensor,  # (layers, Hkv, T, D): the events' tokens joined in order
+        values: torch.Tensor,  # (layers, Hkv, T, D)
+        representatives: torch.Tensor,  # (E, layers, Hkv * D)
+        key_summaries: torch.Tensor,  # (E, S)
+        token_ids: torch.Tensor,  # (T,) int
+    ) -> None:
+        """Append events in order. Should one fail, those before it stay added: `len` says how many."""
+        ...
 
     def __len__(self) -> int: ...
 
@@ -241,9 +243,9 @@ class TransientMemory(_NoPersistence):
     def codec(self) -> str:
         return type(self.inner).__name__
 
-    def add(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
-            key_summary: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.inner.add(event, keys, values, representatives, key_summary, token_ids)
+    def add(self, events: Sequence[Event], keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
+            key_summaries: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.inner.add(events, keys, values, representatives, key_summaries, token_ids)
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -296,21 +298,30 @@ class InMemoryEventMemory(_NoPersistence):
         self._summaries: _GrowingBuffer | None = None  # (N, S) once the first event sets S
 
     def add(
-        self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
-        key_summary: torch.Tensor, token_ids: torch.Tensor,
+        self, events: Sequence[Event], keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
+        key_summaries: torch.Tensor, token_ids: torch.Tensor,
     ) -> None:
-        if event.id != len(self.events):
-            raise SessionError(f"event ids must be consecutive: expected {len(self.events)}, got {event.id}")
-        self._offsets.append(self._keys.size)
+        """All the events in one copy per buffer (one per event and buffer was a few hundred launches a chunk)."""
+        if not events:
+            return
+        if [e.id for e in events] != list(range(len(self.events), len(self.events) + len(events))):
+            raise SessionError(f"event ids must be consecutive from {len(self.events)}: got {[e.id for e in events]}")
+        if sum(e.length for e in events) != keys.shape[2]:
+            raise SessionError(f"{keys.shape[2]} tokens of keys for events of {sum(e.length for e in events)}")
+        offset = self._keys.size
+        for event in events:
+            self._offsets.append(offset)
+            offset += event.length
         self._keys.append(keys)  # copy_ converts the dtype and the device
         self._values.append(values)
-        self._reps.append(representatives[:, None])
+        self._reps.append(representatives.transpose(0, 1))  # (layers, E, Hkv * D)
         if self._summaries is None:
-            self._summaries = _GrowingBuffer((), (key_summary.numel(),), torch.float32, self.device)
-        self._summaries.append(key_summary.float().reshape(1, -1))
-        self._tokens.append(token_ids.to(torch.int32))
-        self.shortest_event = min(self.shortest_event, event.length) if self.events else event.length
-        self.events.append(event)
+            self._summaries = _GrowingBuffer((), (key_summaries.shape[1],), torch.float32, self.device)
+        self._summaries.append(key_summaries)
+        self._tokens.append(token_ids)
+        shortest = min(e.length for e in events)
+        self.shortest_event = min(self.shortest_event, shortest) if self.events else shortest
+        self.events.extend(events)
 
     def __len__(self) -> int:
         return len(self.events)

@@ -102,9 +102,17 @@ class NamespaceMemory:
         """Where the event's blob lives in the cold tier (segment -1 for one added to a read-only namespace)."""
         return self._columns.ref(event_id)
 
-    def add(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
-            key_summary: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """`EventMemory.add`; the indexes get the representatives the blob gives back (lowrank's int8), as on resume."""
+    def add(self, events: Sequence[Event], keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
+            key_summaries: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """`EventMemory.add`: each event encoded and stored alone (its own blob and hot-tier copy)."""
+        for i, (event, start) in enumerate(zip(events, np.cumsum([0] + [e.length for e in events]).tolist())):
+            part = slice(start, start + event.length)
+            self._add_one(event, keys[:, :, part].contiguous(), values[:, :, part].contiguous(), representatives[i],
+                          key_summaries[i], token_ids[part])
+
+    def _add_one(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
+                 key_summary: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """One event; the indexes get the representatives the blob gives back (lowrank's int8), as on resume."""
         self._check_usable()
         if event.id != len(self):
             raise StoreError(f"event ids must be consecutive: expected {len(self)}, got {event.id}")
@@ -114,7 +122,6 @@ class NamespaceMemory:
         except ValueError as err:
             raise StoreError(f"event {event.id} of {self.namespace} cannot be stored: {err}") from err
         reps = self.layout.representatives(blob, len(token_ids))  # (layers, F)
-        summary = key_summary.detach().float().cpu().numpy()  # (S,)
         if self.writable:
             try:
                 ref = self.segments.append(blob)
@@ -124,7 +131,7 @@ class NamespaceMemory:
             ref = BlobRef(-1, -1, len(blob), zlib.crc32(blob))
             self._overlay[event.id] = blob
         self._columns.append(event, ref)
-        self.indexes.add(event.id, reps, summary)
+        self.indexes.add(event.id, reps, key_summary.detach().float().cpu().numpy())  # (layers, F), (S,)
         self.warm.put(event.id, blob)  # what was just sealed is what recall is likeliest to want next
         self._prefetch.wait()  # else the prefetch thread's puts would order the hot tier by timing
         self.hot.stored(event.id, keys, values)
