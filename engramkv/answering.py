@@ -354,8 +354,7 @@ class Answerer:
         while True:
             probe = self.state.probe(torch.tensor(prompt_ids + draft, dtype=torch.long), plan)
             token = int(probe.last_logits.argmax())
-            if (len(draft) == self.cfg.allocation.draft_tokens or token in stop
-                    or "\n" in self.tokenizer.decode([token])):
+            if len(draft) == self.cfg.allocation.draft_tokens or token in stop or "\n" in self.tokenizer.decode([token]):
                 break
             draft.append(token)
         if not draft:

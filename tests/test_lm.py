@@ -44,7 +44,7 @@ def test_a_memory_of_the_callers_is_wrapped_so_its_commits_do_nothing():
             self.inner = inner
 
         def __getattr__(self, name):
-            if name in ("add", "event", "tokens", "search", "search_keys", "gather", "kv_bytes"):
+            if name in ("add", "event", "shortest_event", "tokens", "search", "search_keys", "gather", "kv_bytes"):
                 return getattr(self.inner, name)
             raise AttributeError(name)
 

@@ -104,37 +104,32 @@ class NamespaceMemory:
 
     def add(self, events: Sequence[Event], keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
             key_summaries: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """`EventMemory.add`: each event encoded and stored alone (its own blob and hot-tier copy)."""
-        for i, (event, start) in enumerate(zip(events, np.cumsum([0] + [e.length for e in events]).tolist())):
-            part = slice(start, start + event.length)
-            self._add_one(event, keys[:, :, part].contiguous(), values[:, :, part].contiguous(), representatives[i],
-                          key_summaries[i], token_ids[part])
-
-    def _add_one(self, event: Event, keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
-                 key_summary: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """One event; the indexes get the representatives the blob gives back (lowrank's int8), as on resume."""
-        self._check_usable()
-        if event.id != len(self):
-            raise StoreError(f"event ids must be consecutive: expected {len(self)}, got {event.id}")
-        reps = representatives.detach().float().cpu().numpy()  # (layers, F)
-        try:
-            blob = self.layout.encode(token_ids, reps, keys, values)
-        except ValueError as err:
-            raise StoreError(f"event {event.id} of {self.namespace} cannot be stored: {err}") from err
-        reps = self.layout.representatives(blob, len(token_ids))  # (layers, F)
-        if self.writable:
+        """`EventMemory.add`, each event stored alone; the indexes take the representatives its blob gives back."""
+        start = 0
+        for event, event_reps, summary in zip(events, representatives, key_summaries, strict=True):
+            self._check_usable()
+            if event.id != len(self):
+                raise StoreError(f"event ids must be consecutive: expected {len(self)}, got {event.id}")
+            part, start = slice(start, start + event.length), start + event.length
+            kv = keys[:, :, part].contiguous(), values[:, :, part].contiguous()  # (layers, Hkv, n, D) each
             try:
-                ref = self.segments.append(blob)
-            except OSError as err:
-                self._fail(err)
-        else:
-            ref = BlobRef(-1, -1, len(blob), zlib.crc32(blob))
-            self._overlay[event.id] = blob
-        self._columns.append(event, ref)
-        self.indexes.add(event.id, reps, key_summary.detach().float().cpu().numpy())  # (layers, F), (S,)
-        self.warm.put(event.id, blob)  # what was just sealed is what recall is likeliest to want next
-        self._prefetch.wait()  # else the prefetch thread's puts would order the hot tier by timing
-        self.hot.stored(event.id, keys, values)
+                blob = self.layout.encode(token_ids[part], event_reps.detach().float().cpu().numpy(), *kv)
+            except ValueError as err:
+                raise StoreError(f"event {event.id} of {self.namespace} cannot be stored: {err}") from err
+            stored_reps = self.layout.representatives(blob, event.length)  # (layers, F): lowrank's int8, as on resume
+            if self.writable:
+                try:
+                    ref = self.segments.append(blob)
+                except OSError as err:
+                    self._fail(err)
+            else:
+                ref = BlobRef(-1, -1, len(blob), zlib.crc32(blob))
+                self._overlay[event.id] = blob
+            self._columns.append(event, ref)
+            self.indexes.add(event.id, stored_reps, summary.detach().float().cpu().numpy())  # (S,)
+            self.warm.put(event.id, blob)  # what was just sealed is what recall is likeliest to want next
+            self._prefetch.wait()  # else the prefetch thread's puts would order the hot tier by timing
+            self.hot.stored(event.id, *kv)
 
     def adopt(self, events: Sequence[Event], refs: Sequence[BlobRef], representatives: Sequence[np.ndarray],
               summaries: np.ndarray) -> None:
