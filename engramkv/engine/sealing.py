@@ -145,7 +145,8 @@ class Stream:
         to `memory` together. What memory took leaves the window even when a later event fails."""
         if not ends:
             return
-        counts = [b - a for a, b in zip([self.local_start, *ends], ends)]
+        spans = list(zip([self.local_start, *ends], ends))  # [start, end) of each event
+        counts = [b - a for a, b in spans]
         total = sum(counts)
         keys = torch.stack([st.local_k[:, :total] for st in layers])  # (layers, Hkv, total, D)
         values = torch.stack([st.local_v[:, :total] for st in layers])  # (layers, Hkv, total, D)
@@ -157,7 +158,7 @@ class Stream:
         peaks = torch.segment_reduce(surprise, "max", lengths=lengths).tolist()
         first = len(memory)
         events = [Event(id=first + i, start=a, end=b, surprise_mean=means[i], surprise_max=peaks[i])
-                  for i, (a, b) in enumerate(zip([self.local_start, *ends], ends))]
+                  for i, (a, b) in enumerate(spans)]
         try:
             memory.add(events, keys, values, reps, summaries, self.tail_tokens[:total])
         finally:  # what memory took leaves the window, even when a later event failed
