@@ -18,7 +18,7 @@ ALLOWED = {
     "config": {"errors"},
     "kernels": {"errors"},
     "memory": {"kernels", "config", "errors", "spec"},
-    "retrieval": {"memory", "config", "errors", "spec"},
+    "retrieval": {"memory", "kernels", "config", "errors", "spec"},  # recall on the device (kernels.selection)
     "storage": {"memory", "kernels", "config", "errors", "spec"},
     "documents": {"errors", "memory", "results"},
     "results": {"memory"},

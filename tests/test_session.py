@@ -130,9 +130,9 @@ def test_window_positions_stay_inside_the_trained_length(monkeypatch, positions)
     seen = []  # the largest position of each window attended
     original = engine.EpisodicState._cos_sin
 
-    def spy(self, n_sink, n_mem, n_local, n_new, like):
+    def spy(self, n_sink, n_mem, n_local, n_new, like, used=None):  # used: padded memory, at most n_mem filled
         seen.append(int(engine.window_positions(n_sink, n_mem, n_local, n_new, positions).max()))
-        return original(self, n_sink, n_mem, n_local, n_new, like)
+        return original(self, n_sink, n_mem, n_local, n_new, like, used)
 
     monkeypatch.setattr(engine.EpisodicState, "_cos_sin", spy)
     lm.session().ingest(" ".join(map(str, _stream(3000))))

@@ -44,6 +44,7 @@ class LayerState:
     recalled_tokens: tuple[tuple[int, int], ...] | None = None  # the part of each recalled event read (None: all)
     recalled_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     buffer: deque[int] = field(default_factory=deque)  # similarity hits of earlier steps (contiguity)
+    device_buffer: torch.Tensor | None = None  # (B,) long: the buffer while reading recalls on the device
 
 
 class Stream:

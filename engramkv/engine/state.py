@@ -33,11 +33,12 @@ from engramkv.config import EngineConfig
 from engramkv.engine.sealing import LayerState, Stream
 from engramkv.engine.window import assemble, resident_columns, window_positions
 from engramkv.errors import StoreCorruptError
+from engramkv.kernels.backend import use_triton
 from engramkv.kernels.window_attention import window_attention
-from engramkv.memory.events import EventMemory
+from engramkv.memory.events import EventMemory, OnDevice, RecallTensors
 from engramkv.memory.surprise import token_surprise
 from engramkv.retrieval.question import RecallPlan
-from engramkv.retrieval.recall import select_events
+from engramkv.retrieval.recall import recall_on_device, select_events
 from engramkv.spec import ModelSpec
 
 
@@ -96,7 +97,7 @@ class EpisodicState:
         st = self.layers[layer]
         q, k, v = query[0], key[0], value[0]  # (H, C, D), (Hkv, C, D), (Hkv, C, D)
         n_new = q.shape[1]
-        mem_k, mem_v = self._recalled(layer, st, q, forward)  # (Hkv, M, D) each
+        mem_k, mem_v, used = self._recalled(layer, st, q, forward)  # (Hkv, M, D) each; used: see _recalled
         # A plan may skip the oldest `skip` local tokens (its window_from) and a gap after them (its
         # window_gap). Memory goes before the local window, or (a plan with memory_at) between the local
         # text read before the prompt and the prompt: `split` of the attended local tokens precede it.
@@ -124,10 +125,11 @@ class EpisodicState:
         keys = assemble(st.sink_k, local_k, mem_k, k, split)  # (Hkv, N, D)
         values = assemble(st.sink_v, local_v, mem_v, v, split)  # (Hkv, N, D)
 
-        cos, sin = self._cos_sin(n_sink, n_mem, n_local, n_new, q)  # (N, D) each
+        cos, sin = self._cos_sin(n_sink, n_mem, n_local, n_new, q, used)  # (N, D) each
         # the queries whose attention each resident key received is counted (what picks representatives)
         n_probe = 0 if forward.probe else min(n_new, self.cfg.representatives.stat_queries)
-        out, mass = window_attention(q, keys, values, cos, sin, scaling, n_probe, self.cfg.model.kernels)
+        padding = None if used is None else (n_sink + split, n_mem, used)
+        out, mass = window_attention(q, keys, values, cos, sin, scaling, n_probe, self.cfg.model.kernels, padding)
         # out (H, C, D); mass (Hkv, N) or None
 
         if forward.probe:
@@ -146,14 +148,20 @@ class EpisodicState:
             self._append(st, k, v, received)
         return out[None].transpose(1, 2)
 
-    def _cos_sin(self, n_sink: int, n_mem: int, n_local: int, n_new: int,
-                 like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (N, D) each
-        """RoPE's cos and sin at each window key's position (`window_positions`)."""
+    def _cos_sin(self, n_sink: int, n_mem: int, n_local: int, n_new: int, like: torch.Tensor,
+                 used: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # (N, D) each
+        """RoPE's cos and sin at each window key's position (`window_positions`); with `used`, of the memory's
+        n_mem slots the first `used` hold events and the residents follow them."""
         scheme = self.cfg.recall.positions
         n_window = n_sink + n_mem + n_local + n_new
-        positions = None if scheme == "contiguous" or n_mem == 0 else window_positions(
-            n_sink, n_mem, n_local, n_new, scheme)  # (N,); None: 0..N-1
-        needed = n_window if positions is None else int(positions.max()) + 1
+        if used is not None:  # computed where `used` is: the positions cannot be known on the host
+            cols = torch.arange(n_window, device=self.device)
+            positions = (cols - (cols >= n_sink + n_mem) * (n_mem - used) if scheme == "contiguous" else torch.where(
+                cols < n_sink + n_mem, cols.clamp(max=n_sink), cols - n_mem + (used > 0).long()))
+        else:
+            positions = None if scheme == "contiguous" or n_mem == 0 else window_positions(
+                n_sink, n_mem, n_local, n_new, scheme)  # (N,); None: 0..N-1
+        needed = n_window if positions is None or used is not None else int(positions.max()) + 1
         if self._rope_table is None or self._rope_table[0].shape[0] < needed:
             self._rope_table = self.rope.table(max(needed, self.cfg.attention_span()), like)
         cos, sin = self._rope_table
@@ -162,11 +170,26 @@ class EpisodicState:
         index = positions.to(self.device)
         return cos.index_select(0, index), sin.index_select(0, index)
 
-    def _recalled(self, layer: int, st: LayerState, q: torch.Tensor,
-                  forward: _Pass) -> tuple[torch.Tensor, torch.Tensor]:  # (Hkv, M, D) each
+    def _recalled(self, layer: int, st: LayerState, q: torch.Tensor, forward: _Pass
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # (Hkv, M, D) each; (1,) int32
+        """The recalled keys and values, and None, or (reading on a GPU, `_on_device`) a memory section of M slots
+        of which the first `used` hold the recalled events."""
         if not self.cfg.recall.enabled or len(self.memory) == 0:
             empty = q.new_empty(self.spec.num_kv_heads, 0, self.spec.head_dim)
-            return empty, empty
+            return empty, empty, None
+        tensors = self._on_device(forward)
+        if tensors is not None:
+            if st.device_buffer is None:
+                held = list(st.buffer)
+                st.device_buffer = torch.tensor([-1] * (self.cfg.recall.contiguity_buffer - len(held)) + held,
+                                                dtype=torch.long, device=self.device)
+            k, v, used, st.device_buffer = recall_on_device(
+                tensors, layer, self._group_query(q), self.cfg.recall, self.cfg.segmentation.min_event,
+                self.memory.shortest_event, st.device_buffer, self.cfg.segmentation.min_surprise,
+                self.cfg.model.kernels)
+            st.recalled_ids, st.recalled_tokens, st.recalled_kv = [], None, None  # the host path gathers anew
+            return k.to(self.dtype), v.to(self.dtype), used
+        _buffer_to_host(st)
         if forward.refresh or st.recalled_kv is None:
             query = self._group_query(q)  # (Hkv * D,)
             if forward.probe:
@@ -186,7 +209,16 @@ class EpisodicState:
                     k, v = k[:, keep], v[:, keep]
                 st.recalled_kv = (k.to(self.device, self.dtype), v.to(self.device, self.dtype))
                 st.recalled_ids, st.recalled_tokens = ids, parts
-        return st.recalled_kv
+        return *st.recalled_kv, None
+
+    def _on_device(self, forward: _Pass) -> RecallTensors | None:
+        """The memory's tensors, where reading recalls on the device: with Triton's kernels, events on the compute
+        device. Answers (a plan) and probes report which events they read: they recall on the host."""
+        if (forward.plan is not None or forward.probe or self.cfg.recall.budget_tokens == 0
+                or not isinstance(self.memory, OnDevice) or not use_triton(self.cfg.model.kernels, self.device)):
+            return None
+        tensors = self.memory.recall_tensors()
+        return tensors if tensors is not None and tensors.keys.device == self.device else None
 
     def _group_query(self, q: torch.Tensor) -> torch.Tensor:  # (H, C, D) -> (Hkv * D,)
         h, c, d = q.shape
@@ -281,6 +313,8 @@ class EpisodicState:
         to host RAM (a checkpoint); else copied where they are (a draft's undo: on a GPU, no round trip).
         """
         where = torch.device("cpu") if host else self.device
+        for st in self.layers:
+            _buffer_to_host(st)
         return {
             **self.stream.snapshot(), "last_logits": self.last_logits,
             # Derived, written for the engramkv versions that held them as counters (they read them back).
@@ -313,6 +347,7 @@ class EpisodicState:
             st.local_attention = saved["local_attention"].to(self.device)
             st.buffer.clear()
             st.buffer.extend(saved["buffer"])
+            st.device_buffer = None
         self.forget_recalled()
 
     def seal_rest(self) -> None:
@@ -341,6 +376,14 @@ def shifted_snapshot(snapshot: dict[str, Any], tokens: int, events: int) -> dict
                           "position": segmenter["position"] + tokens}
     moved["layers"] = [{**layer, "buffer": [e + events for e in layer["buffer"]]} for layer in snapshot["layers"]]
     return moved
+
+
+def _buffer_to_host(st: LayerState) -> None:
+    """The contiguity buffer back in `st.buffer`, where reading on the device kept it (`_recalled`)."""
+    if st.device_buffer is not None:
+        st.buffer.clear()
+        st.buffer.extend(e for e in st.device_buffer.tolist() if e >= 0)
+        st.device_buffer = None
 
 
 def _parts_index(lengths: list[int], parts: Sequence[tuple[int, int]]) -> torch.Tensor:  # (M',)

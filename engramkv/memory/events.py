@@ -24,6 +24,7 @@ import torch
 from engramkv.errors import SessionError
 from engramkv.kernels.backend import Backend
 from engramkv.kernels.representatives import search as search_representatives
+from engramkv.memory.buffer import GrowingBuffer
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,26 @@ class EventMemory(Protocol):
     def kv_bytes(self) -> int: ...
 
 
+@dataclass(frozen=True)
+class RecallTensors:
+    """What reading's recall reads of a memory whose events are on the compute device, as tensors there: the
+    engine's device path (`kernels.selection`) picks events and gathers their KV with no id crossing to the host."""
+
+    representatives: torch.Tensor  # (layers, N, Hkv * D) float32
+    keys: torch.Tensor  # (layers, Hkv, T, D): every event's tokens in event order
+    values: torch.Tensor  # (layers, Hkv, T, D)
+    starts: torch.Tensor  # (N,) long: each event's first row in keys / values
+    lengths: torch.Tensor  # (N,) int32
+    peaks: torch.Tensor  # (N,) float32: each event's surprise_max
+
+
+@runtime_checkable
+class OnDevice(Protocol):
+    """A memory that can hand recall its `RecallTensors` (None: not now, say none on the compute device)."""
+
+    def recall_tensors(self) -> RecallTensors | None: ...
+
+
 @runtime_checkable
 class PersistentMemory(EventMemory, Protocol):
     """An `EventMemory` a session can commit its stream to (in RAM every call is a no-op)."""
@@ -166,34 +187,6 @@ class PersistentMemory(EventMemory, Protocol):
     def tier_bytes(self) -> TierBytes: ...
 
     def close(self) -> None: ...
-
-
-class _GrowingBuffer:
-    """A tensor growing along one dim with capacity doubling (amortised O(1) appends)."""
-
-    def __init__(self, shape_before: tuple[int, ...], shape_after: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device | None = None):
-        self.before, self.after, self.dtype, self.device = shape_before, shape_after, dtype, device
-        self.data = torch.empty((*shape_before, 64, *shape_after), dtype=dtype, device=device)
-        self.size = 0
-
-    @property
-    def dim(self) -> int:
-        return len(self.before)
-
-    def append(self, block: torch.Tensor) -> None:
-        n = block.shape[self.dim]
-        capacity = self.data.shape[self.dim]
-        if self.size + n > capacity:
-            new_capacity = max(2 * capacity, self.size + n)
-            grown = torch.empty((*self.before, new_capacity, *self.after), dtype=self.dtype, device=self.device)
-            grown.narrow(self.dim, 0, self.size).copy_(self.data.narrow(self.dim, 0, self.size))
-            self.data = grown
-        self.data.narrow(self.dim, self.size, n).copy_(block)
-        self.size += n
-
-    def view(self) -> torch.Tensor:
-        return self.data.narrow(self.dim, 0, self.size)
 
 
 class _NoPersistence:
@@ -269,6 +262,9 @@ class TransientMemory(_NoPersistence):
     def gather(self, layer: int, event_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.gather(layer, event_ids)
 
+    def recall_tensors(self) -> RecallTensors | None:
+        return self.inner.recall_tensors() if isinstance(self.inner, OnDevice) else None
+
     @property
     def kv_bytes(self) -> int:
         return self.inner.kv_bytes
@@ -290,12 +286,15 @@ class InMemoryEventMemory(_NoPersistence):
         self.shortest_event = 0
         self._offsets: list[int] = []  # start of each event in the KV buffers
         # every layer in one buffer, so sealing an event is three copies, not three per layer
-        self._keys = _GrowingBuffer((num_layers, num_kv_heads), (head_dim,), dtype, self.device)  # (layers, Hkv, T, D)
-        self._values = _GrowingBuffer((num_layers, num_kv_heads), (head_dim,), dtype, self.device)
+        self._keys = GrowingBuffer((num_layers, num_kv_heads), (head_dim,), dtype, self.device)  # (layers, Hkv, T, D)
+        self._values = GrowingBuffer((num_layers, num_kv_heads), (head_dim,), dtype, self.device)
         # (layers, N, Hkv * D)
-        self._reps = _GrowingBuffer((num_layers,), (num_kv_heads * head_dim,), torch.float32, self.device)
-        self._tokens = _GrowingBuffer((), (), torch.int32)  # read back as lists: host RAM
-        self._summaries: _GrowingBuffer | None = None  # (N, S) once the first event sets S
+        self._reps = GrowingBuffer((num_layers,), (num_kv_heads * head_dim,), torch.float32, self.device)
+        self._tokens = GrowingBuffer((), (), torch.int32)  # read back as lists: host RAM
+        # (3, N) float64: each event's first row, length and surprise_max, for recall on the device
+        self._columns = GrowingBuffer((3,), (), torch.float64, self.device)
+        self._recall_tensors: RecallTensors | None = None  # of the events so far (each layer reads them)
+        self._summaries: GrowingBuffer | None = None  # (N, S) once the first event sets S
 
     def add(
         self, events: Sequence[Event], keys: torch.Tensor, values: torch.Tensor, representatives: torch.Tensor,
@@ -312,11 +311,17 @@ class InMemoryEventMemory(_NoPersistence):
         for event in events:
             self._offsets.append(offset)
             offset += event.length
+        columns = torch.tensor([self._offsets[-len(events):], [e.length for e in events],
+                                [e.surprise_max for e in events]], dtype=torch.float64)  # (3, E)
+        if self.device.type == "cuda":  # pinned, so the copy does not wait for the device's queue
+            columns = columns.pin_memory().to(self.device, non_blocking=True)
+        self._columns.append(columns)
+        self._recall_tensors = None
         self._keys.append(keys)  # copy_ converts the dtype and the device
         self._values.append(values)
         self._reps.append(representatives.transpose(0, 1))  # (layers, E, Hkv * D)
         if self._summaries is None:
-            self._summaries = _GrowingBuffer((), (key_summaries.shape[1],), torch.float32, self.device)
+            self._summaries = GrowingBuffer((), (key_summaries.shape[1],), torch.float32, self.device)
         self._summaries.append(key_summaries)
         self._tokens.append(token_ids)
         shortest = min(e.length for e in events)
@@ -359,6 +364,13 @@ class InMemoryEventMemory(_NoPersistence):
         keys = self._keys.view()[layer].index_select(1, index)  # (Hkv, M, D)
         values = self._values.view()[layer].index_select(1, index)  # (Hkv, M, D)
         return keys, values
+
+    def recall_tensors(self) -> RecallTensors | None:
+        if self._recall_tensors is None and self.events:
+            columns = self._columns.view()  # (3, N)
+            self._recall_tensors = RecallTensors(self._reps.view(), self._keys.view(), self._values.view(),
+                                                 columns[0].long(), columns[1].int(), columns[2].float())
+        return self._recall_tensors
 
     @property
     def kv_bytes(self) -> int:

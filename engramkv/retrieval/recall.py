@@ -14,7 +14,10 @@ from collections import deque
 import torch
 
 from engramkv.config import RecallConfig
-from engramkv.memory.events import Event, EventMemory
+from engramkv.kernels.backend import Backend
+from engramkv.kernels.representatives import search as search_representatives
+from engramkv.kernels.selection import SelectionRule, select_rows
+from engramkv.memory.events import Event, EventMemory, RecallTensors
 from engramkv.memory.segmentation import predicted
 
 
@@ -48,6 +51,32 @@ def select_events(
             picked.take(event_id)
         buffer.extend(hits)
     return sorted(picked.chosen)
+
+
+def recall_on_device(
+    tensors: RecallTensors,
+    layer: int,
+    query: torch.Tensor,  # (Hkv * D,)
+    cfg: RecallConfig,
+    min_event: int,
+    shortest: int,  # the memory's shortest event
+    buffer: torch.Tensor,  # (B,) long: the contiguity buffer, oldest first, -1 where empty; replaced, not changed
+    surprise_floor: float,
+    backend: Backend,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`select_events` with the reading budget, and the chosen events' KV, without leaving the device: keys and
+    values (Hkv, budget, D) each, of which the first `used` (1,) int32 rows are the events' (the rest are
+    padding), and the contiguity buffer after this step."""
+    budget = cfg.budget_tokens
+    _, candidates = search_representatives(tensors.representatives[layer][None], query.float()[None],
+                                           max(1, budget // min_event), backend)  # (1, k)
+    rule = SelectionRule(budget, int(budget * (1 - cfg.contiguity_fraction)), cfg.max_neighbour_distance,
+                         surprise_floor)
+    chosen = select_rows(candidates[0], tensors.starts, tensors.lengths, tensors.peaks, buffer, shortest, rule,
+                         backend)
+    keys = tensors.keys[layer].index_select(1, chosen.rows)  # (Hkv, budget, D)
+    values = tensors.values[layer].index_select(1, chosen.rows)
+    return keys, values, chosen.count, chosen.buffer
 
 
 def add_neighbours(
