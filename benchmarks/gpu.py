@@ -2,7 +2,7 @@
 
 Sized to finish inside about 8 minutes on an H200. Writes benchmarks/results/gpu/{name}.json and .md, and
 copies both into --out (the device tool's $OUT). It measures:
-1. the kernel tests (`tests/test_kernels.py`), compiled for the GPU;
+1. the kernel tests (`tests/test_kernels.py`, `tests/test_device_recall.py`), compiled for the GPU;
 2. each kernel against its PyTorch twin, and the window attention also against bare
    `scaled_dot_product_attention` over the same window already rotated, at the embedded model's shape, bf16;
 3. ingest of --tokens (default 1M) by a random-weight model of the embedded model's shape in bf16 (the
@@ -85,7 +85,8 @@ def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int, wa
 
 def kernel_tests(device: torch.device) -> dict[str, Any]:
     started = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+                          "tests/test_device_recall.py"],
                          capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
     last = (run.stdout.strip().splitlines() or ["(no output)"])[-1]
     print("kernel tests:", last, flush=True)
@@ -346,7 +347,7 @@ def _table(report: dict[str, Any], cfg: EngineConfig) -> str:
     if run is not None:
         measured = "measured on all of them" if run["complete"] else "measured on these, stopped at the time limit"
         kernels = f"model.kernels='{run['kernels']}'"
-        kernels += "" if run["kernels"] == "auto" else " (under 'auto' it failed)"
+        kernels += " (under 'auto' it failed)" if run["kernels"] == "torch" else ""
         lines += ["", f"Ingest of {run['tokens']:,} tokens with {kernels} ({measured}; chunks of "
                   f"{cfg.window.chunk_size}): {run['tokens_per_s']:,.0f} tokens/s, {run['events']:,} events; the bare "
                   f"forward over the same window ({cfg.attention_span()} keys): {run['bare_tokens_per_s']:,.0f} "
