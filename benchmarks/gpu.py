@@ -10,7 +10,9 @@ copies both into --out (the device tool's $OUT). It measures:
    same window size (a chunk over a cached prefix as long as the engine's attention span), and the host
    synchronisations per chunk (CUDA's sync debug mode, counted); stopped at --ingest-seconds, in which case
    the rate is measured on the tokens read and the 10M-token time is extrapolated (the report says so);
-4. a decode step with that memory against one full-attention step over 4k tokens.
+4. a decode step with that memory against one full-attention step over 4k tokens;
+5. reading's recall chosen on the device against on the host (`recall.select_on_device`): two fresh sessions read
+   the same --ab-tokens, their rates and host synchronisations per chunk.
 
 On a machine without CUDA, --smoke runs every step at toy sizes (the kernels through Triton's interpreter),
 which checks the script before device minutes are spent on it (written under results/tmp/, ignored).
@@ -195,6 +197,24 @@ def ingest(lm: EpisodicLM, cfg: EngineConfig, tokens: int, vocab: int, seconds: 
                      "sync_counted_chunks": sync_chunks}
 
 
+def selection_ab(model: torch.nn.Module, cfg: EngineConfig, name: str, vocab: int, tokens: int,
+                 device: torch.device) -> dict[str, Any]:
+    """Reading's recall chosen on the device (`recall.select_on_device`) against on the host: two fresh sessions
+    read the same ids, one after the other; each run's rate and host synchronisations per chunk."""
+    runs: dict[str, Any] = {}
+    for on_device in (True, False):
+        run_cfg = cfg.model_copy(update={"recall": cfg.recall.model_copy(update={"select_on_device": on_device})})
+        session, runs["device" if on_device else "host"] = ingest(EpisodicLM(model, WordIds(vocab), name, run_cfg),
+                                                                  run_cfg, tokens, vocab, float("inf"), device)
+        session.close()
+        del session
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    runs["ratio"] = runs["device"]["tokens_per_s"] / runs["host"]["tokens_per_s"]
+    print("selection on the device against the host:", runs, flush=True)
+    return runs
+
+
 def profile_ingest(session: Any, vocab: int, cfg: EngineConfig, device: torch.device) -> dict[str, str]:
     """Where four more chunks of ingest spend their time (torch.profiler): what to make faster next."""
     from torch.profiler import ProfilerActivity, profile
@@ -248,6 +268,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1 << 20, help="tokens to ingest (default 1M)")
     parser.add_argument("--ingest-seconds", type=float, default=240.0, help="stop the ingest here and extrapolate")
+    parser.add_argument("--ab-tokens", type=int, default=65_536,
+                        help="tokens each of two fresh sessions reads, recall chosen on the device and on the host "
+                        "(0: skip)")
     parser.add_argument("--smoke", action="store_true", help="toy sizes, on any machine (kernels interpreted)")
     parser.add_argument("--skip-tests", action="store_true", help="do not run tests/test_kernels.py first")
     parser.add_argument("--name", default="gpu")
@@ -306,6 +329,12 @@ def main() -> None:
         _section(report, "decode", decode)
         print(report.get("decode"), flush=True)
         _section(report, "ingest_profile", lambda: profile_ingest(session, shape["vocab_size"], cfg, device))
+        ab_tokens = min(args.ab_tokens, 1024) if args.smoke else args.ab_tokens
+        if ab_tokens:
+            session.close()
+            del session
+            _section(report, "selection", lambda: selection_ab(model, run_cfg, name, shape["vocab_size"], ab_tokens,
+                                                               device))
 
     table = _table(report, cfg)
     print(table)
@@ -354,6 +383,13 @@ def _table(report: dict[str, Any], cfg: EngineConfig) -> str:
                   f"tokens/s; **ratio {run['ratio_to_bare']:.2f}**. 10M tokens at this rate (extrapolated): "
                   f"{run['ten_million_minutes']:.1f} min. Host synchronisations per chunk: "
                   f"{run['host_syncs_per_chunk']}."]
+    selection = report.get("selection")
+    if selection is not None and "error" not in selection:
+        on, off = selection["device"], selection["host"]
+        lines += ["", "Recall chosen on the device against on the host (`recall.select_on_device`; two fresh sessions, "
+                  f"{on['tokens']:,} tokens each): {on['tokens_per_s']:,.0f} against {off['tokens_per_s']:,.0f} "
+                  f"tokens/s, **{selection['ratio']:.2f}x**; host synchronisations per chunk "
+                  f"{on['host_syncs_per_chunk']} against {off['host_syncs_per_chunk']}."]
     if decode is not None and "error" not in decode:
         lines += ["", f"Decode with {decode['memory_tokens']:,} tokens of memory: {decode['step_s'] * 1e3:.1f} ms "
                   f"per step; full attention over 4k tokens: {decode['full_attention_4k_step_s'] * 1e3:.1f} ms; "

@@ -1,8 +1,7 @@
 """Every knob of engramkv, as one tree of pydantic models.
 
-`EngineConfig` is the root. Each sub-model groups the knobs of one algorithm; the defaults are
-sized for the embedded SmolLM2-135M (trained length 8192), and a field's description says what
-was measured where a default rests on a measurement.
+`EngineConfig` is the root; each sub-model groups the knobs of one algorithm, sized for the embedded SmolLM2-135M
+(trained length 8192); a field's description says what was measured where a default rests on a measurement.
 """
 
 from __future__ import annotations
@@ -90,15 +89,13 @@ class RecallConfig(_Strict):
     budget_tokens: int = Field(default=1024, ge=0, description="Memory tokens per layer in the window while reading.")
     answer_budget_tokens: int | None = Field(
         default=512, ge=0,
-        description="Memory tokens per layer while reading a prompt and generating, at most budget_tokens "
-        "(None: budget_tokens). "
-        "Smaller than the reading budget: a question wants its best matches, not their filler.",
+        description="Memory tokens per layer while reading a prompt and generating, at most budget_tokens (None: "
+        "budget_tokens). Smaller than the reading budget: a question wants its best matches, not their filler.",
     )
     answer_context_tokens: int | None = Field(
         default=None, ge=0,
-        description="The most context an answer reads: its resident window, the prompt and the recalled tokens "
-        "together (None: only answer_budget_tokens bounds the recalled part). `Session.chat(budget_tokens=)` sets "
-        "it per call.",
+        description="The most context an answer reads: resident window, prompt and recalled tokens together (None: "
+        "only answer_budget_tokens bounds the recalled part; `Session.chat(budget_tokens=)` sets it per call).",
     )
     contiguity_fraction: float = Field(default=0.3, ge=0, le=1,
                                        description="Share of the budget given to temporal neighbours of the hits.")
@@ -107,6 +104,9 @@ class RecallConfig(_Strict):
     contiguity_buffer: int = Field(default=4, ge=0, description="Similarity hits of earlier steps kept as contiguity "
                                    "candidates (0 disables).")
     decode_interval: int = Field(default=16, ge=1, description="Decoded tokens between two recalls.")
+    select_on_device: bool = Field(default=True, description="Reading with Triton's kernels and the memory in RAM on "
+                                   "the model's device chooses the recalled events there (`kernels.selection`): the "
+                                   "host's choice without a synchronisation per layer. False: on the host.")
     positions: Literal["contiguous", "fixed"] = Field(
         default="contiguous",
         description="'contiguous' numbers the assembled window 0..N-1 (ReAttention); "

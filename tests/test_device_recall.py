@@ -19,7 +19,7 @@ from engramkv.engine.state import EpisodicState
 from engramkv.engine.window import window_positions
 from engramkv.kernels.selection import SelectionRule, select_rows
 from engramkv.kernels.window_attention import window_attention
-from engramkv.memory.events import Event, EventMemory, InMemoryEventMemory
+from engramkv.memory.events import Event, InMemoryEventMemory
 from engramkv.retrieval.recall import recall_on_device, select_events
 
 from conftest import VOCAB, IntTokenizer
@@ -121,21 +121,6 @@ def test_padded_positions_are_those_of_the_filled_window(scheme, used):
     assert torch.equal(cos[kept], table_cos[positions]) and torch.equal(sin[kept], table_sin[positions])
 
 
-class _OnTheHost:
-    """The in-RAM memory without its tensors: the engine recalls on the host with the same kernels."""
-
-    def __init__(self, inner: EventMemory):
-        self.inner = inner
-
-    def __getattr__(self, name):
-        if name == "recall_tensors":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __len__(self):
-        return len(self.inner)
-
-
 def _tiny_model():
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
@@ -144,20 +129,22 @@ def _tiny_model():
 
 
 def test_reading_on_the_device_reads_as_on_the_host():
-    """The same stream through the same kernels, recalling on the device and on the host: the same events, the same
-    contiguity buffers, logits (and surprise) within float rounding (the padding moves where the kernel's tiles
-    end)."""
+    """The same stream through the same kernels, recalling on the device and (`select_on_device=False`) on the host:
+    the same events, the same contiguity buffers, logits (and surprise) within float rounding (the padding moves
+    where the kernel's tiles end)."""
     model = _tiny_model()
     ids = torch.randint(0, VOCAB, (320,), generator=torch.Generator().manual_seed(1)).tolist()
-    cfg = EngineConfig(model=ModelConfig(kernels="triton"), window=WindowConfig(chunk_size=32, n_sink=8, n_local=96),
-                       segmentation=SegmentationConfig(min_event=8, max_event=32),
-                       recall=RecallConfig(budget_tokens=64))
     results = []
     for on_device in (True, False):
+        cfg = EngineConfig(model=ModelConfig(kernels="triton"),
+                           window=WindowConfig(chunk_size=32, n_sink=8, n_local=96),
+                           segmentation=SegmentationConfig(min_event=8, max_event=32),
+                           recall=RecallConfig(budget_tokens=64, select_on_device=on_device))
         lm = EpisodicLM(copy.deepcopy(model), IntTokenizer(), "tiny-llama-d32", cfg)
         memory = InMemoryEventMemory(2, 2, 32, torch.float16, device=DEVICE, kernels="triton")
-        session = lm.session(memory=memory if on_device else _OnTheHost(memory))
+        session = lm.session(memory=memory)
         session.ingest_ids(ids)
+        assert (session.state.layers[0].device_buffer is not None) == on_device  # which path read
         snapshot = session.state.snapshot()
         spans = [(memory.event(i).start, memory.event(i).end) for i in range(len(memory))]
         results.append((session.state.last_logits, spans, [layer["buffer"] for layer in snapshot["layers"]]))
@@ -202,7 +189,8 @@ def test_no_host_read_per_layer_while_reading_on_the_device(monkeypatch, kernels
 
     monkeypatch.setattr(EpisodicState, "attend", counted)
     cfg = EngineConfig(model=ModelConfig(kernels=kernels), window=WindowConfig(chunk_size=32, n_sink=8, n_local=96),
-                       segmentation=SegmentationConfig(min_event=8, max_event=32), recall=RecallConfig(budget_tokens=64))
+                       segmentation=SegmentationConfig(min_event=8, max_event=32),
+                       recall=RecallConfig(budget_tokens=64))
     session = EpisodicLM(_tiny_model(), IntTokenizer(), "tiny-llama-d32", cfg).session()
     session.ingest_ids(torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(2)).tolist())
     assert len(session.memory) > 3

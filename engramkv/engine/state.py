@@ -214,7 +214,8 @@ class EpisodicState:
     def _on_device(self, forward: _Pass) -> RecallTensors | None:
         """The memory's tensors, where reading recalls on the device: with Triton's kernels, events on the compute
         device. Answers (a plan) and probes report which events they read: they recall on the host."""
-        if (forward.plan is not None or forward.probe or self.cfg.recall.budget_tokens == 0
+        recall = self.cfg.recall
+        if (forward.plan is not None or forward.probe or recall.budget_tokens == 0 or not recall.select_on_device
                 or not isinstance(self.memory, OnDevice) or not use_triton(self.cfg.model.kernels, self.device)):
             return None
         tensors = self.memory.recall_tensors()
