@@ -329,7 +329,7 @@ def main() -> None:
         _section(report, "decode", decode)
         print(report.get("decode"), flush=True)
         _section(report, "ingest_profile", lambda: profile_ingest(session, shape["vocab_size"], cfg, device))
-        ab_tokens = min(args.ab_tokens, 1024) if args.smoke else args.ab_tokens
+        ab_tokens = min(args.ab_tokens, 3072) if args.smoke else args.ab_tokens  # (events sealed and recalled)
         if ab_tokens:
             session.close()
             del session
@@ -389,7 +389,8 @@ def _table(report: dict[str, Any], cfg: EngineConfig) -> str:
         lines += ["", "Recall chosen on the device against on the host (`recall.select_on_device`; two fresh sessions, "
                   f"{on['tokens']:,} tokens each): {on['tokens_per_s']:,.0f} against {off['tokens_per_s']:,.0f} "
                   f"tokens/s, **{selection['ratio']:.2f}x**; host synchronisations per chunk "
-                  f"{on['host_syncs_per_chunk']} against {off['host_syncs_per_chunk']}."]
+                  f"{on['host_syncs_per_chunk']} against {off['host_syncs_per_chunk']}; events sealed {on['events']:,} "
+                  f"and {off['events']:,} (the same rule: they should match)."]
     if decode is not None and "error" not in decode:
         lines += ["", f"Decode with {decode['memory_tokens']:,} tokens of memory: {decode['step_s'] * 1e3:.1f} ms "
                   f"per step; full attention over 4k tokens: {decode['full_attention_4k_step_s'] * 1e3:.1f} ms; "
