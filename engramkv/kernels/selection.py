@@ -66,7 +66,7 @@ def select_rows(
 
 def select_rows_torch(candidates: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, peaks: torch.Tensor,
                       buffer: torch.Tensor, shortest: int, rule: SelectionRule) -> Selected:
-    """The rule on the host, written out over the columns (`retrieval.recall.select_ranked` is the same rule over
+    """The rule on the host, written out over the columns (`retrieval.recall.select_events` is the same rule over
     an `EventMemory`; the tests hold the host rule, this twin and the kernel to the same choices)."""
     sizes, peak, first = lengths.tolist(), peaks.tolist(), starts.tolist()
     chosen: set[int] = set()
