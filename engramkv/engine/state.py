@@ -216,7 +216,7 @@ class EpisodicState:
         device. Answers (a plan) and probes report which events they read: they recall on the host."""
         recall = self.cfg.recall
         if (forward.plan is not None or forward.probe or recall.budget_tokens == 0 or not recall.select_on_device
-                or not isinstance(self.memory, OnDevice) or not use_triton(self.cfg.model.kernels, self.device)):
+                or not use_triton(self.cfg.model.kernels, self.device) or not isinstance(self.memory, OnDevice)):
             return None
         tensors = self.memory.recall_tensors()
         return tensors if tensors is not None and tensors.keys.device == self.device else None
