@@ -291,8 +291,10 @@ class InMemoryEventMemory(_NoPersistence):
         # (layers, N, Hkv * D)
         self._reps = GrowingBuffer((num_layers,), (num_kv_heads * head_dim,), torch.float32, self.device)
         self._tokens = GrowingBuffer((), (), torch.int32)  # read back as lists: host RAM
-        # (3, N) float64: each event's first row, length and surprise_max, for recall on the device
-        self._columns = GrowingBuffer((3,), (), torch.float64, self.device)
+        # (3, N) float64: each event's first row, length and surprise_max, for recall on the device (where Triton
+        # runs: CUDA, or the CPU interpreted; another device may have no float64)
+        self._on_kernels_device = self.device.type in ("cuda", "cpu")
+        self._columns = GrowingBuffer((3,), (), torch.float64, self.device if self._on_kernels_device else None)
         self._recall_tensors: RecallTensors | None = None  # of the events so far (each layer reads them)
         self._summaries: GrowingBuffer | None = None  # (N, S) once the first event sets S
 
@@ -366,7 +368,7 @@ class InMemoryEventMemory(_NoPersistence):
         return keys, values
 
     def recall_tensors(self) -> RecallTensors | None:
-        if self._recall_tensors is None and self.events:
+        if self._recall_tensors is None and self.events and self._on_kernels_device:
             columns = self._columns.view()  # (3, N)
             self._recall_tensors = RecallTensors(self._reps.view(), self._keys.view(), self._values.view(),
                                                  columns[0].long(), columns[1].int(), columns[2].float())
