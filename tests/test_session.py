@@ -107,7 +107,7 @@ def _all_tokens(session):
 
 
 def test_recall_runs_for_the_prompt_and_every_decode_interval(monkeypatch):
-    from engramkv.engine import state as engine
+    from engramkv.engine import memory_section as engine
 
     _, lm = tiny_pair("llama", CFG)
     session = lm.session()

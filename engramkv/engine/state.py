@@ -12,15 +12,14 @@ appends the new tokens to the resident part. After the forward pass the stream
 the key-similarity graph, and seals whole events that have left the local window into the
 event memory.
 
-Which events come back is decided per step: while reading, each layer recalls by its own
-queries (`retrieval.recall`); a prompt and its answer are read with a `RecallPlan`
-(`retrieval.question`), given to `step`, `decode` and `probe` as an argument.
+Which events come back is decided per step (`memory_section.MemorySection`): while reading, each
+layer recalls by its own queries (`retrieval.recall`); a prompt and its answer are read with a
+`RecallPlan` (`retrieval.question`), given to `step`, `decode` and `probe` as an argument.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,15 +29,14 @@ from transformers import PreTrainedModel
 
 from engramkv import hf
 from engramkv.config import EngineConfig
+from engramkv.engine.memory_section import MemorySection, buffer_to_host
 from engramkv.engine.sealing import LayerState, Stream
 from engramkv.engine.window import assemble, resident_columns, window_positions
 from engramkv.errors import StoreCorruptError
-from engramkv.kernels.backend import use_triton
 from engramkv.kernels.window_attention import window_attention
-from engramkv.memory.events import EventMemory, OnDevice, RecallTensors
+from engramkv.memory.events import EventMemory
 from engramkv.memory.surprise import token_surprise
 from engramkv.retrieval.question import RecallPlan
-from engramkv.retrieval.recall import recall_on_device, select_events
 from engramkv.spec import ModelSpec
 
 
@@ -76,6 +74,7 @@ class EpisodicState:
         self.model, self.rope, self.spec, self.cfg, self.memory = model, rope, spec, cfg, memory
         self.dtype, self.device = model.dtype, model.device
         self.summary_layers = summary_layers
+        self.section = MemorySection(memory, cfg, spec, self.device, self.dtype)
         empty = torch.empty(spec.num_kv_heads, 0, spec.head_dim, dtype=self.dtype, device=self.device)
         self.layers = [
             LayerState(empty, empty, empty, empty, torch.empty(spec.num_kv_heads, 0, device=self.device),
@@ -97,7 +96,10 @@ class EpisodicState:
         st = self.layers[layer]
         q, k, v = query[0], key[0], value[0]  # (H, C, D), (Hkv, C, D), (Hkv, C, D)
         n_new = q.shape[1]
-        mem_k, mem_v, used = self._recalled(layer, st, q, forward)  # (Hkv, M, D) each; used: see _recalled
+        mem_k, mem_v, used, query = self.section.recall(layer, st, q, forward.plan, forward.refresh, forward.probe)
+        # (Hkv, M, D) each; used: None, or how many of the M slots hold events (`MemorySection.recall`)
+        if forward.probe and query is not None:
+            forward.queries[layer] = query
         # A plan may skip the oldest `skip` local tokens (its window_from) and a gap after them (its
         # window_gap). Memory goes before the local window, or (a plan with memory_at) between the local
         # text read before the prompt and the prompt: `split` of the attended local tokens precede it.
@@ -169,62 +171,6 @@ class EpisodicState:
             return cos[:n_window], sin[:n_window]
         index = positions.to(self.device)
         return cos.index_select(0, index), sin.index_select(0, index)
-
-    def _recalled(self, layer: int, st: LayerState, q: torch.Tensor, forward: _Pass
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # (Hkv, M, D) each; (1,) int32
-        """The recalled keys and values, and None, or (reading on a GPU, `_on_device`) a memory section of M slots
-        of which the first `used` hold the recalled events."""
-        if not self.cfg.recall.enabled or len(self.memory) == 0:
-            empty = q.new_empty(self.spec.num_kv_heads, 0, self.spec.head_dim)
-            return empty, empty, None
-        tensors = self._on_device(forward)
-        if tensors is not None:
-            if st.device_buffer is None:
-                held = list(st.buffer)
-                st.device_buffer = torch.tensor([-1] * (self.cfg.recall.contiguity_buffer - len(held)) + held,
-                                                dtype=torch.long, device=self.device)
-            k, v, used, st.device_buffer = recall_on_device(
-                tensors, layer, self._group_query(q), self.cfg.recall, self.cfg.segmentation.min_event,
-                self.memory.shortest_event, st.device_buffer, self.cfg.segmentation.min_surprise,
-                self.cfg.model.kernels)
-            st.recalled_ids, st.recalled_tokens, st.recalled_kv = [], None, None  # the host path gathers anew
-            return k.to(self.dtype), v.to(self.dtype), used
-        _buffer_to_host(st)
-        if forward.refresh or st.recalled_kv is None:
-            query = self._group_query(q)  # (Hkv * D,)
-            if forward.probe:
-                forward.queries[layer] = query
-            plan = forward.plan
-            parts = None
-            if plan is not None and plan.events is not None:
-                ids, parts = list(plan.events), plan.event_tokens
-            else:
-                budget = plan.budget if plan is not None else self.cfg.recall.budget_tokens
-                ids = select_events(self.memory, layer, query, self.cfg.recall, self.cfg.segmentation.min_event,
-                                    None if forward.probe else st.buffer, budget, self.cfg.segmentation.min_surprise)
-            if ids != st.recalled_ids or parts != st.recalled_tokens or st.recalled_kv is None:
-                k, v = self.memory.gather(layer, ids)  # (Hkv, M, D) each
-                if parts is not None:
-                    keep = _parts_index([self.memory.event(e).length for e in ids], parts)  # (M',)
-                    k, v = k[:, keep], v[:, keep]
-                st.recalled_kv = (k.to(self.device, self.dtype), v.to(self.device, self.dtype))
-                st.recalled_ids, st.recalled_tokens = ids, parts
-        return *st.recalled_kv, None
-
-    def _on_device(self, forward: _Pass) -> RecallTensors | None:
-        """The memory's tensors, where reading recalls on the device: with Triton's kernels, events on the compute
-        device. Answers (a plan) and probes report which events they read: they recall on the host."""
-        recall = self.cfg.recall
-        if (forward.plan is not None or forward.probe or recall.budget_tokens == 0 or not recall.select_on_device
-                or not use_triton(self.cfg.model.kernels, self.device) or not isinstance(self.memory, OnDevice)):
-            return None
-        tensors = self.memory.recall_tensors()
-        return tensors if tensors is not None and tensors.keys.device == self.device else None
-
-    def _group_query(self, q: torch.Tensor) -> torch.Tensor:  # (H, C, D) -> (Hkv * D,)
-        h, c, d = q.shape
-        grouped = q.float().view(self.spec.num_kv_heads, h // self.spec.num_kv_heads, c, d)  # (Hkv, G, C, D)
-        return grouped.mean(dim=(1, 2)).flatten()
 
     def _append(self, st: LayerState, k: torch.Tensor, v: torch.Tensor, received: torch.Tensor) -> None:
         to_sink = min(k.shape[1], self.cfg.window.n_sink - st.sink_k.shape[1])
@@ -315,7 +261,7 @@ class EpisodicState:
         """
         where = torch.device("cpu") if host else self.device
         for st in self.layers:
-            _buffer_to_host(st)
+            buffer_to_host(st)
         return {
             **self.stream.snapshot(), "last_logits": self.last_logits,
             # Derived, written for the engramkv versions that held them as counters (they read them back).
@@ -377,23 +323,3 @@ def shifted_snapshot(snapshot: dict[str, Any], tokens: int, events: int) -> dict
                           "position": segmenter["position"] + tokens}
     moved["layers"] = [{**layer, "buffer": [e + events for e in layer["buffer"]]} for layer in snapshot["layers"]]
     return moved
-
-
-def _buffer_to_host(st: LayerState) -> None:
-    """The contiguity buffer back in `st.buffer`, where reading on the device kept it (`_recalled`)."""
-    if st.device_buffer is not None:
-        st.buffer.clear()
-        st.buffer.extend(e for e in st.device_buffer.tolist() if e >= 0)
-        st.device_buffer = None
-
-
-def _parts_index(lengths: list[int], parts: Sequence[tuple[int, int]]) -> torch.Tensor:  # (M',)
-    """Positions, in events gathered back to back with these `lengths`, of each event's [first, end) part."""
-    if len(parts) != len(lengths):
-        raise ValueError(f"{len(parts)} token ranges for {len(lengths)} events")
-    starts = [0]
-    for length in lengths[:-1]:
-        starts.append(starts[-1] + length)
-    pieces = [torch.arange(start + max(0, a), start + min(b, length))
-              for start, length, (a, b) in zip(starts, lengths, parts)]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
