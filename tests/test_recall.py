@@ -47,6 +47,29 @@ def test_gather_returns_events_in_the_given_order():
     assert keys[0, :, 0].tolist() == [0, 0, 0, 2, 2]
 
 
+@pytest.mark.parametrize("wrong", ["representatives", "key_summaries", "token_ids", "values"])
+def test_the_in_ram_memory_refuses_misaligned_parts_and_stays_as_it_was(wrong):
+    """Every part of an `add` must cover the same events: a short one is refused before anything is appended, so
+    the memory reads as before (the buffers would otherwise no longer line up with the events)."""
+    from engramkv.errors import SessionError
+
+    memory = _memory([3, 5])
+    events = [Event(2, 8, 12, 1.0, 2.0), Event(3, 12, 14, 1.0, 2.0)]
+    parts = {"keys": torch.ones(2, 2, 6, 4), "values": torch.ones(2, 2, 6, 4),
+             "representatives": torch.ones(2, 2, 8), "key_summaries": torch.ones(2, 16),
+             "token_ids": torch.zeros(6, dtype=torch.int32)}
+    parts[wrong] = parts[wrong][:, :, :5] if wrong == "values" else parts[wrong][:-1]  # a token or an event short
+    with pytest.raises(SessionError, match="2 events of 6 tokens"):
+        memory.add(events, **parts)
+    assert len(memory) == 2 and memory.shortest_event == 3
+    keys, _ = memory.gather(1, [1])
+    assert keys.shape == (2, 5, 4) and bool((keys == 1).all())
+    whole = {"keys": torch.ones(2, 2, 6, 4), "values": torch.ones(2, 2, 6, 4), "representatives": torch.ones(2, 2, 8),
+             "key_summaries": torch.zeros(2, 16), "token_ids": torch.zeros(6, dtype=torch.int32)}
+    memory.add(events, **whole)  # the same events, whole: the memory goes on from where it was
+    assert len(memory) == 4 and memory.gather(0, [2, 3])[0].shape == (2, 6, 4)
+
+
 def test_contiguity_buffer_keeps_earlier_hits():
     memory = _memory([10] * 20, hot=3)
     cfg = RecallConfig(budget_tokens=40, contiguity_fraction=0.5, contiguity_buffer=2)

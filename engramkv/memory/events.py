@@ -307,8 +307,14 @@ class InMemoryEventMemory(_NoPersistence):
             return
         if [e.id for e in events] != list(range(len(self.events), len(self.events) + len(events))):
             raise SessionError(f"event ids must be consecutive from {len(self.events)}: got {[e.id for e in events]}")
-        if sum(e.length for e in events) != keys.shape[2]:
-            raise SessionError(f"{keys.shape[2]} tokens of keys for events of {sum(e.length for e in events)}")
+        n_tokens = sum(e.length for e in events)
+        shapes = {"keys": keys.shape[2], "values": values.shape[2], "token ids": token_ids.shape[0]}
+        rows = {"representatives": representatives.shape[0], "key summaries": key_summaries.shape[0]}
+        wrong = [f"{n} tokens of {name}" for name, n in shapes.items() if n != n_tokens]
+        wrong += [f"{n} rows of {name}" for name, n in rows.items() if n != len(events)]
+        if wrong or values.shape != keys.shape:  # checked before anything is appended: the buffers stay aligned
+            raise SessionError(f"{len(events)} events of {n_tokens} tokens, given " + (", ".join(wrong) or
+                               f"keys {tuple(keys.shape)} and values {tuple(values.shape)}"))
         offset = self._keys.size
         for event in events:
             self._offsets.append(offset)
