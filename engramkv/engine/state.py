@@ -195,10 +195,11 @@ class EpisodicState:
         """
         self.decode_steps = 0
         forward = self._pass(plan, refresh=True, probe=False)
-        logits = hf.forward(self.model, token_ids[None].to(self.device), forward)
+        ids = token_ids.to(self.device)  # one copy to the device, for the forward and the surprise
+        logits = hf.forward(self.model, ids[None], forward)
         # scored where the logits are: only (T,) surprises and the last row cross to the host, not (T, V)
         previous = None if self.last_logits is None else self.last_logits.to(self.device)
-        surprise = token_surprise(logits, token_ids.to(self.device).long(), previous).cpu()  # (T,)
+        surprise = token_surprise(logits, ids.long(), previous).cpu()  # (T,)
         self._advance(token_ids, logits, surprise, seal)
         return logits
 
