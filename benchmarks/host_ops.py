@@ -42,7 +42,8 @@ WARM_CHUNKS, COUNTED_CHUNKS, TIMED_CHUNKS = 16, 8, 8
 WINDOW = "window attention"
 # (module, owner, attribute, phase): what is labelled, where the checkout has it (older commits may not)
 PHASES = [("engramkv.engine.sealing", "Stream", "seal", "sealing"),
-          ("engramkv.engine.state", "EpisodicState", "_recalled", "recall (search, gather)"),
+          ("engramkv.engine.state", "EpisodicState", "_recalled", "recall (search, gather)"),  # before 2c9ae70
+          ("engramkv.engine.memory_section", "MemorySection", "recall", "recall (search, gather)"),
           ("engramkv.engine.state", None, "window_attention", WINDOW),
           ("engramkv.engine.state", "EpisodicState", "attend", "attend: assembly, RoPE table, append")]
 
@@ -87,7 +88,10 @@ def count() -> dict[str, Any]:
 
     labelled_phases = []
     for module_name, owner_name, attribute, phase in PHASES:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:  # a module of later commits
+            continue
         owner = getattr(module, owner_name) if owner_name else module
         if hasattr(owner, attribute):
             setattr(owner, attribute, labelled(phase, getattr(owner, attribute)))
