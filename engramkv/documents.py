@@ -11,6 +11,7 @@ cut at whitespace (`tokenize_pieces`), so a stream never has to be held whole.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import hashlib
 import signal
 import threading
@@ -130,13 +131,30 @@ class IngestRun:
     stop_requested: bool = False
 
     @classmethod
-    def start(cls, checked: CheckedDocument, last: DocumentProgress | None, token_start: int) -> IngestRun:
-        """A run over `checked`; it continues `last` (the memory's latest document) when that is the same file.
+    def start(cls, checked: CheckedDocument, documents: list[DocumentProgress], token_start: int) -> IngestRun:
+        """A run over `checked`, given the memory's `documents` (oldest first): it continues the latest one when
+        that is the same file (by content).
 
-        A `last` already complete is returned as the run's document: nothing is left to read.
+        A document of the same content already complete, the latest or an earlier one, is returned as the run's
+        document: nothing is left to read (a multi-file ingest run again skips what it read). An earlier one left
+        with text unread is refused: its rest would follow the documents read since, in a record that says it is
+        one.
         """
-        if last is not None and last.content_key == checked.content_key:
+        same = [d for d in documents if d.content_key == checked.content_key]
+        if documents and documents[-1].content_key == checked.content_key:
+            last = documents[-1]
             return cls(checked.path, last, resumed_from=last.bytes_done)
+        for earlier in same:
+            # all of its text tokenised: the tokens an interruption left queued were read before the next document
+            if earlier.complete or earlier.bytes_done >= earlier.size_bytes:
+                return cls(checked.path, dataclasses.replace(earlier, complete=True))
+        if same:
+            earlier, later = same[-1], documents[-1]
+            raise InputError(
+                f"{checked.path} was interrupted at byte {earlier.bytes_done:,} of {earlier.size_bytes:,}, and "
+                f"{later.name} was read after it: only the latest document resumes. Its first part stays in the "
+                f"store; to read the rest, ingest a file holding it (tail -c +{earlier.bytes_done + 1} "
+                f"{checked.path} > rest.txt)")
         document = DocumentProgress(name=str(checked.path.resolve()), size_bytes=checked.size_bytes,
                                     content_key=checked.content_key, token_start=token_start)
         return cls(checked.path, document)

@@ -162,7 +162,7 @@ class Session:
 
         In a persistent session the document is recorded, commits carry its read position, and
         running the same ingest again after an interruption (Ctrl-C, a kill, a full disk) resumes
-        where the last commit stopped; a file already ingested completely is skipped. Ctrl-C is
+        where the last commit stopped; a file already ingested completely, whenever, is skipped. Ctrl-C is
         honoured between chunks: the session commits, then `KeyboardInterrupt` propagates.
 
         `workers` (default `shards.workers`) > 1 reads that many shards at once on Ray workers into an empty
@@ -173,7 +173,7 @@ class Session:
                                       self.cfg.shards.min_shard_bytes)
         with self._exclusive("ingest"):
             started, tokens_before, events_before = time.perf_counter(), self.state.n_tokens, len(self.memory)
-            run = IngestRun.start(checked, self.memory.last_document(), self.tokens_ingested)
+            run = IngestRun.start(checked, self.memory.documents(), self.tokens_ingested)
             if run.document.complete:
                 return IngestReport(tokens=0, events_sealed=0, seconds=0.0, already_ingested=True,
                                     document_tokens=run.document.token_end - run.document.token_start)

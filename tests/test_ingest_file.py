@@ -86,6 +86,75 @@ def test_a_complete_document_is_not_ingested_twice(tmp_path):
     lm.close()
 
 
+def test_a_document_read_before_the_latest_is_not_ingested_again(tmp_path):
+    """A multi-file ingest run again (`engramkv ingest a.txt b.txt` twice, or after a Ctrl-C in b.txt) skips every
+    file already complete, not only the latest."""
+    a, b = _doc(tmp_path / "a.txt", n=300, seed=1), _doc(tmp_path / "b.txt", n=200, seed=2)
+    _, lm = tiny_pair("llama", CFG)
+    with lm.session(store=tmp_path / "s") as s:
+        s.ingest_file(a)
+        s.ingest_file(b)
+        tokens, events = s.tokens_ingested, s.events
+        again = s.ingest_file(a)
+        assert again.already_ingested and again.tokens == 0 and again.document_tokens == 300
+        assert s.ingest_file(b).already_ingested
+        assert (s.tokens_ingested, s.events) == (tokens, events)
+        assert [d.complete for d in s.memory.documents()] == [True, True]
+    lm.close()
+
+
+def test_an_earlier_interrupted_document_whose_text_was_all_queued_counts_as_read(tmp_path):
+    """Interrupted after its last piece was tokenised, a document's queued tokens are read before the next
+    document's, so asked again it is skipped, not refused."""
+    a, b = _doc(tmp_path / "a.txt", n=2000, seed=1), _doc(tmp_path / "b.txt", n=200, seed=2)
+    _, lm = tiny_pair("llama", CFG)
+    with lm.session(store=tmp_path / "s") as s:
+        calls = [0]
+
+        def press_ctrl_c(record):
+            calls[0] += 1
+            if calls[0] == 20:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        with pytest.raises(KeyboardInterrupt):
+            s.ingest_file(a, progress=press_ctrl_c)
+        assert s.memory.documents()[0].bytes_done == a.stat().st_size
+        s.ingest_file(b)
+        tokens = s.tokens_ingested
+        assert s.ingest_file(a).already_ingested and s.tokens_ingested == tokens == 2200
+    lm.close()
+
+
+def test_an_earlier_interrupted_document_is_refused_with_how_to_read_its_rest(tmp_path):
+    """Only the latest document resumes: an earlier one's rest would follow the documents read since. Refused,
+    with the byte to read from; the store keeps what it had."""
+    # longer than one tokenised piece (TOKENIZE_PIECE_CHARS), so the interruption leaves text unread
+    a, b = _doc(tmp_path / "a.txt", n=6000, seed=1), _doc(tmp_path / "b.txt", n=200, seed=2)
+    _, lm = tiny_pair("llama", CFG)
+    s = lm.session(store=tmp_path / "s")
+    chunks = [0]
+
+    def press_ctrl_c(record):
+        chunks[0] += 1
+        if chunks[0] == 20:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        s.ingest_file(a, progress=press_ctrl_c)
+    s.ingest_file(b)
+    tokens = s.tokens_ingested
+    done = s.memory.documents()[0].bytes_done
+    assert 0 < done < a.stat().st_size
+    with pytest.raises(InputError, match=f"interrupted at byte {done:,}.*tail -c \\+{done + 1} "):
+        s.ingest_file(a)
+    assert s.tokens_ingested == tokens and [d.complete for d in s.memory.documents()] == [False, True]
+    rest = tmp_path / "rest.txt"
+    rest.write_bytes(a.read_bytes()[done:])
+    assert s.ingest_file(rest).tokens > 0  # the command the error gives reads the rest
+    s.close()
+    lm.close()
+
+
 def test_ctrl_c_commits_and_the_same_call_resumes_exactly(tmp_path):
     doc = _doc(tmp_path / "doc.txt", n=2000)
     expected = _reference(tmp_path, doc)
