@@ -270,6 +270,8 @@ class Session:
             raise EmptyInputError("nothing to continue: empty prompt and empty session")
         if budget_tokens is not None and budget_tokens < 0:
             raise InputError(f"budget_tokens must be 0 or more, got {budget_tokens}")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be 1 or more, got {max_new_tokens}")
         if theta is not None:
             self._answerer.check(theta)
         generation, recall = self.cfg.generation, self.cfg.recall

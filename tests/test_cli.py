@@ -227,3 +227,55 @@ def test_ingest_codec_and_config_choose_a_new_stores_codec_and_refuse_another(tm
     err = capsys.readouterr().err
     assert "created with codec 'lowrank'" in err and "new --store" in err
     assert cli.main(["ingest", doc, "--store", store, "--json"]) == 0  # no --codec: the store's own
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["ingest", "doc.txt", "--workers", "0"], "--workers"),
+    (["ask", "hi", "--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["ask", "hi", "-k", "-1"], "-k"),
+    (["ask", "hi", "--budget-tokens", "-5"], "--budget-tokens"),
+    (["recall", "hi", "-k", "0"], "-k"),
+    (["calibrate", "--samples", "0"], "--samples"),
+    (["calibrate", "--lengths", "4096", "0"], "--lengths"),
+    (["fit-bases", "--out", "b.safetensors", "--tokens", "zero"], "--tokens"),
+    (["serve", "--port", "70000"], "--port"),
+])
+def test_a_count_out_of_range_is_refused_before_the_model_loads(monkeypatch, capsys, argv, option):
+    monkeypatch.setattr(cli, "load_model", lambda name, quiet=False: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {option}" in capsys.readouterr().err
+
+
+def test_wrong_option_values_and_outputs_get_one_line_and_no_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "load_model", lambda name, quiet=False: pytest.fail("the model was loaded"))
+    doc = _doc(tmp_path / "calibration.txt", n=1500)
+    assert cli.main(["fit-bases", "--out", str(tmp_path / "b.safetensors"), "--text", str(doc),
+                     "--key-error", "-1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --key-error: ") and len(err.strip().splitlines()) == 1
+    assert cli.main(["fit-bases", "--out", str(tmp_path), "--text", str(doc)]) == 1
+    assert "is a directory" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert cli.main(["fit-bases", "--out", str(blocker / "b.safetensors"), "--text", str(doc)]) == 1
+    assert "cannot create" in capsys.readouterr().err
+    assert cli.main(["calibrate", "--fit-only", "--out", str(tmp_path), "--work-dir", str(tmp_path)]) == 1
+    assert "is a directory" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"recall": {"budget_tokens": "many"}, "window": {"n_sink": -1}}')
+    assert cli.main(["calibrate", "--config", str(bad), "--fit-only", "--work-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "recall.budget_tokens: " in err and "window.n_sink: " in err
+
+
+def test_a_store_that_is_missing_or_cannot_be_made_is_a_clear_error(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    assert cli.main(["sessions", "delete", "--store", str(missing), "--yes"]) == 1
+    assert "no engramkv store" in capsys.readouterr().err and not missing.exists()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert cli.main(["ingest", str(_doc(tmp_path / "d.txt")), "--store", str(blocker / "store")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot create the store directory" in err and "Traceback" not in err

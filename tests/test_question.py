@@ -300,6 +300,11 @@ def test_a_context_limit_per_answer_bounds_what_it_reads():
     assert session.last_plan.budget == 0 and not session.last_plan.events
     with pytest.raises(InputError, match="budget_tokens"):
         session.chat(question, budget_tokens=-1)
+    tokens = session.tokens_ingested
+    for none in (0, -1):  # an answer of no tokens is a mistake, not an empty answer
+        with pytest.raises(InputError, match="max_new_tokens"):
+            session.chat(question, max_new_tokens=none)
+    assert session.tokens_ingested == tokens  # refused before the turn was read
 
 
 def test_centred_reading_reads_the_budget_around_the_best_match_across_event_boundaries():

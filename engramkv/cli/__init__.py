@@ -126,9 +126,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
     lm = _model(args)
     config = lm.config
     if args.allocation is not None or args.coefficients is not None:
-        allocation = config.allocation.model_copy(update={
-            k: v for k, v in (("mode", args.allocation), ("coefficients", args.coefficients)) if v is not None})
-        config = type(config).model_validate({**config.model_dump(), "allocation": allocation.model_dump()})
+        given = argparse.Namespace(mode=args.allocation, coefficients=args.coefficients)
+        config = _with_options(config, ("allocation",), given, ("mode", "coefficients"),
+                               {"mode": "--allocation", "coefficients": "--coefficients"})
     session = lm.session(config, store=args.store, user_id=args.user, agent_id=args.agent,
                          session_id=args.session, read_only=True)
     answer = session.chat(args.question, max_new_tokens=args.max_new_tokens, budget_tokens=args.budget_tokens)
@@ -168,12 +168,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     base = _config_file(args.config) if args.config else EngineConfig()
     cfg = _with_options(base, ("calibration",), args, ("tasks", "lengths", "samples", "design_size"))
+    out = _output_file(args.out)
     if args.fit_only and args.refeature:
         raise InputError("--refeature measures features with the model; it cannot be combined with --fit-only")
     if args.model:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": args.model})})
     lm = None if args.fit_only else _model(args)  # a fit alone needs the model's tokenizer, not its weights
-    report = calibrate(lm, cfg, Path(args.out), Path(args.work_dir), fit_only=args.fit_only,
+    report = calibrate(lm, cfg, out, Path(args.work_dir), fit_only=args.fit_only,
                        model_id=args.model_id, progress=None if args.json else _progress_line,
                        refeature_only=args.refeature)
     if args.json:
@@ -192,18 +193,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_fit_bases(args: argparse.Namespace) -> int:
     from engramkv import fit_lowrank_bases
 
-    out = Path(args.out)
+    from engramkv import EngineConfig
+
+    out = _output_file(args.out)
     if out.exists() and not args.force:
         raise InputError(f"{out} exists; pass --force to replace it")
     texts = [_read_text(path) for path in args.text] if args.text else None
-    lm = _model(args)
+    names = ("tokens", "key_error", "early_key_error", "early_layers", "value_error", "heads_per_group",
+             "weight_keys", "weight_values")
+    _with_options(_config_file(args.config) if args.config else EngineConfig(), ("store", "lowrank"), args, names)
+    lm = _model(args)  # the options are checked above: a wrong one is refused before the load, not after it
     base = _config_file(args.config, lm.config) if args.config else lm.config
-    cfg = _with_options(base, ("store", "lowrank"), args, ("tokens", "key_error", "early_key_error",
-                                                         "early_layers", "value_error", "heads_per_group",
-                                                         "weight_keys", "weight_values"))
+    cfg = _with_options(base, ("store", "lowrank"), args, names)
     bases = fit_lowrank_bases(lm, cfg, texts, progress=None if args.json else _progress_line)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    bases.save(out)
+    try:
+        bases.save(out)
+    except OSError as err:
+        raise InputError(f"cannot write the bases to {out}: {err.strerror or err}") from err
     sizes = {"keys": [p.code_bits for p in bases.keys], "values": [p.code_bits for p in bases.values]}
     if args.json:
         print(json.dumps({"out": str(out), "code_bits": sizes, "errors": bases.errors}))
@@ -237,19 +243,52 @@ def _config_file(path: str, base: Any = None) -> Any:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConfigError(f"--config {path}: cannot read a JSON config ({err})") from err
     except ValidationError as err:
-        raise ConfigError(f"--config {path}: {err}") from err
+        raise ConfigError(f"--config {path}: {_invalid(err)}") from err
 
 
-def _with_options(base: Any, section: tuple[str, ...], args: argparse.Namespace, names: tuple[str, ...]) -> Any:
-    """`base` with the options in `names` that were given on the command line set in its `section`, validated."""
+def _invalid(err: Any, options: dict[str, str] | None = None) -> str:
+    """A pydantic `ValidationError` on one line: each wrong field, by its dotted path or its command-line option,
+    and what it must be."""
+    options = options or {}
+    parts = []
+    for problem in err.errors():
+        where = ".".join(str(part) for part in problem["loc"])
+        parts.append(f"{options.get(str(problem['loc'][-1]), where)}: {problem['msg']}")
+    return "; ".join(parts)
+
+
+def _with_options(base: Any, section: tuple[str, ...], args: argparse.Namespace, names: tuple[str, ...],
+                  options: dict[str, str] | None = None) -> Any:
+    """`base` with the options in `names` that were given on the command line set in its `section`, validated;
+    `options`: the command-line spelling of a field, where it is not `--field-name`."""
     from engramkv import EngineConfig
+
+    from pydantic import ValidationError
 
     data = base.model_dump()
     target = data
     for key in section:
         target = target[key]
     target.update({name: getattr(args, name) for name in names if getattr(args, name) is not None})
-    return EngineConfig.model_validate(data)
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as err:
+        spelled = {name: "--" + name.replace("_", "-") for name in names}
+        raise ConfigError(_invalid(err, {**spelled, **(options or {})})) from err
+
+
+def _output_file(path: str) -> Path:
+    """`path` as a file the command can write once its work is done: checked (and its folder made) first."""
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise InputError(f"{out} is a directory; name the file to write")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"cannot create {out.parent} for {out}: {err.strerror or err}") from err
+    if not os.access(out.parent, os.W_OK):
+        raise InputError(f"cannot write in {out.parent}")
+    return out
 
 
 def _read_text(path: str) -> str:
@@ -297,6 +336,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_sessions(args: argparse.Namespace) -> int:
     lm = _model(args)
+    lm.open_store(args.store, read_only=True)  # a store that does not exist is an error, not made empty to delete in
     store = lm.open_store(args.store, read_only=args.action == "list")
     if args.action == "list":
         rows = store.namespaces()

@@ -10,6 +10,23 @@ from engramkv import GenerationConfig
 DEFAULT_STORE = "~/.engramkv/store"
 
 
+def _count(least: int, most: int | None = None) -> Callable[[str], int]:
+    """An integer option's type: out of [least, most] it is refused at parse time, before a model loads."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < least or (most is not None and value > most):
+            bounds = f"at least {least}" if most is None else f"from {least} to {most}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    parse.__name__ = "count"  # argparse names the type in its messages
+    return parse
+
+
 def _common(parser: argparse.ArgumentParser, json_flag: bool = True) -> None:
     parser.add_argument("--store", default=DEFAULT_STORE, help=f"store directory (default {DEFAULT_STORE})")
     parser.add_argument("--user", default="default", help="namespace: user_id (default 'default')")
@@ -38,7 +55,7 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
                    "and naming another one is an error")
     p.add_argument("--config", default=None, metavar="FILE",
                    help='JSON of the EngineConfig fields to change, e.g. {"store": {"index": {"rank": 24}}}')
-    p.add_argument("--workers", type=int, default=None, metavar="N",
+    p.add_argument("--workers", type=_count(1), default=None, metavar="N",
                    help="read each file in N shards at once on Ray workers, merged in document order (a new, empty "
                    "namespace; needs `pip install 'engramkv[ray]'`; default: the config's shards.workers, 1)")
     p.add_argument("--ray-address", default=None, metavar="ADDR",
@@ -51,9 +68,9 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
                        description="One chat turn over everything stored in the namespace. The store is opened "
                        "read-only: the question and answer are not kept.")
     p.add_argument("question")
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=_count(1), default=None,
                    help=f"longest answer in tokens (default: the config's, {GenerationConfig().max_new_tokens})")
-    p.add_argument("--budget-tokens", type=int, default=None,
+    p.add_argument("--budget-tokens", type=_count(0), default=None,
                    help="the most context the answer reads: resident window + question + recalled tokens "
                    "(default: recall.answer_context_tokens, unset)")
     p.add_argument("--show-recall", action="store_true",
@@ -63,7 +80,7 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
                    "'auto' (the model where coefficients ship for it) (default: the config's allocation.mode)")
     p.add_argument("--coefficients", default=None,
                    help="allocation coefficients file (`engramkv calibrate --out`; default: the ones shipped for the model)")
-    p.add_argument("-k", type=int, default=3, help="events shown with --show-recall or --json (default 3)")
+    p.add_argument("-k", type=_count(1), default=3, help="events shown with --show-recall or --json (default 3)")
     _common(p)
     p.set_defaults(run=commands["ask"])
 
@@ -72,7 +89,7 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
                        "(its tokens' keys against each event's key summary, then a token-level re-ranking) and "
                        "print the best K with their text and score.")
     p.add_argument("query")
-    p.add_argument("-k", type=int, default=5, help="number of events (default 5)")
+    p.add_argument("-k", type=_count(1), default=5, help="number of events (default 5)")
     _common(p)
     p.set_defaults(run=commands["recall"])
 
@@ -86,9 +103,9 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
     p.add_argument("--work-dir", default="calibration-work",
                    help="stores and observations.jsonl of the run (default ./calibration-work)")
     p.add_argument("--tasks", nargs="+", default=None, help="calibration tasks (default: the config's)")
-    p.add_argument("--lengths", nargs="+", type=int, default=None, help="document lengths in tokens")
-    p.add_argument("--samples", type=int, default=None, help="samples per task and length")
-    p.add_argument("--design-size", type=int, default=None, help="thetas every sample is answered under")
+    p.add_argument("--lengths", nargs="+", type=_count(1), default=None, help="document lengths in tokens")
+    p.add_argument("--samples", type=_count(1), default=None, help="samples per task and length")
+    p.add_argument("--design-size", type=_count(1), default=None, help="thetas every sample is answered under")
     p.add_argument("--fit-only", action="store_true", help="fit the observations already written; run nothing")
     p.add_argument("--refeature", action="store_true",
                    help="answer nothing: measure again the features of observations written before a feature "
@@ -110,14 +127,14 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
                        "store with store.codec 'lowrank' copies (store.lowrank.bases).")
     p.add_argument("--out", required=True, help="bases file to write (.safetensors)")
     p.add_argument("--text", nargs="+", default=None, metavar="FILE", help="UTF-8 files to fit on instead")
-    p.add_argument("--tokens", type=int, default=None, help="calibration tokens to read (default: the config's)")
+    p.add_argument("--tokens", type=_count(1), default=None, help="calibration tokens to read (default: the config's)")
     p.add_argument("--key-error", type=float, default=None, help="held-out relative error budget of keys")
     p.add_argument("--early-key-error", type=float, default=None,
                    help="the keys' budget in the first --early-layers share of the layers (default: the config's)")
     p.add_argument("--early-layers", type=float, default=None, help="share of layers, from the first, that "
                    "--early-key-error applies to (default: the config's, 0.5)")
     p.add_argument("--value-error", type=float, default=None, help="held-out relative error budget of values")
-    p.add_argument("--heads-per-group", type=int, default=None, help="KV heads sharing a basis (default: all)")
+    p.add_argument("--heads-per-group", type=_count(1), default=None, help="KV heads sharing a basis (default: all)")
     p.add_argument("--weight-keys", action=argparse.BooleanOptionalAction, default=None,
                    help="weigh key dimensions by the queries' energy on them (default: the config's, off)")
     p.add_argument("--weight-values", action=argparse.BooleanOptionalAction, default=None,
@@ -153,12 +170,12 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
                        "chat, recall, stats, namespaces; the OpenAPI schema at /openapi.json, interactive docs at "
                        "/docs). Bound to localhost by default; any other address needs an API token.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=_count(1, 65535), default=8000, help="port (default 8000)")
     p.add_argument("--token", default=None, help="API token every request must send as 'Authorization: Bearer "
                    "TOKEN' (default: $ENGRAMKV_API_TOKEN; required off localhost)")
     p.add_argument("--files-root", default=None, metavar="DIR", help="the directory whose files an ingest request "
                    "may name by path (default: none; requests send text)")
-    p.add_argument("--max-open", type=int, default=8, metavar="N", help="namespaces held open at once (default 8; "
+    p.add_argument("--max-open", type=_count(1), default=8, metavar="N", help="namespaces held open at once (default 8; "
                    "each keeps its window and its hot and warm tiers in RAM): a request to another closes the one "
                    "used least recently, committed, and its next request reopens it")
     p.add_argument("--store", default=DEFAULT_STORE, help=f"store directory (default {DEFAULT_STORE})")

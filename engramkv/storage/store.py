@@ -98,7 +98,10 @@ class EventStore:
         else:
             if self.path.exists() and not self.path.is_dir():
                 raise StoreError(f"{self.path} exists and is not a directory")
-            self.path.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise StoreError(f"cannot create the store directory {self.path}: {err.strerror or err}") from err
             if not self.shared:
                 self._lock = DirectoryLock(self.path)
         self._open: dict[int, NamespaceMemory] = {}
