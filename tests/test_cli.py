@@ -279,3 +279,12 @@ def test_a_store_that_is_missing_or_cannot_be_made_is_a_clear_error(tmp_path, ca
     assert cli.main(["ingest", str(_doc(tmp_path / "d.txt")), "--store", str(blocker / "store")]) == 1
     err = capsys.readouterr().err
     assert "cannot create the store directory" in err and "Traceback" not in err
+
+
+def test_ingest_json_keeps_the_reports_of_the_files_read_before_one_is_refused(tmp_path, capsys):
+    binary = tmp_path / "image.png"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00")
+    doc = _doc(tmp_path / "d.txt")
+    assert cli.main(["ingest", str(doc), str(binary), "--store", str(tmp_path / "store"), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert [r["path"] for r in json.loads(captured.out)] == [str(doc)] and "binary" in captured.err

@@ -89,7 +89,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         session.close()
         raise ConfigError(f"{args.store} was created with codec '{stored}'; a store's codec is fixed when it is "
                           f"created: ingest into a new --store for '{args.codec}'")
-    results = []
+    results: list[dict[str, Any]] = []
     try:
         for path in args.paths:
             last = session.memory.last_document()
@@ -110,6 +110,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                     resumed = f", resumed at byte {report.resumed_from_byte:,}" if report.resumed_from_byte else ""
                     print(f"{path}: {report.tokens:,} tokens in {report.seconds:.0f} s "
                           f"({report.tokens_per_second:,.0f} tok/s), {report.events_sealed:,} events{resumed}")
+    except EngramError:
+        if args.json and results:  # the files read before the one refused: their reports are not lost
+            print(json.dumps(results))
+        raise
     except KeyboardInterrupt:
         # tokens_ingested counts the tokens still queued for the model: the commit saved them too.
         print(f"\ninterrupted: {session.tokens_ingested:,} tokens are committed in {args.store}; "

@@ -341,7 +341,8 @@ def load_model(cfg: AllocationConfig, model_id: str) -> AllocationModel | None:
     if cfg.mode == "auto" and not cfg.coefficients and not path.is_file():
         return None
     if not path.is_file():
-        raise ConfigError(f"allocation.mode 'model' needs fitted coefficients: no file {path}; "
+        what = "a directory, not a file" if path.is_dir() else "no such file"
+        raise ConfigError(f"allocation.mode '{cfg.mode}' needs fitted coefficients: {path} is {what}; "
                           "fit them with `engramkv calibrate` and pass allocation.coefficients")
     try:
         data = json.loads(path.read_text())
