@@ -34,6 +34,18 @@ def _spans(session):
     return [(e.start, e.end) for e in map(session.memory.event, range(session.events))]
 
 
+def _ctrl_c_at(chunk):
+    """A progress callback that presses Ctrl-C at the `chunk`-th report (to the handler ingest_file installs)."""
+    calls = [0]
+
+    def press(record):
+        calls[0] += 1
+        if calls[0] == chunk:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return press
+
+
 def _reference(tmp_path, doc):
     _, lm = tiny_pair("llama", CFG)
     with lm.session(store=tmp_path / "reference") as s:
@@ -109,15 +121,8 @@ def test_an_earlier_interrupted_document_whose_text_was_all_queued_counts_as_rea
     a, b = _doc(tmp_path / "a.txt", n=2000, seed=1), _doc(tmp_path / "b.txt", n=200, seed=2)
     _, lm = tiny_pair("llama", CFG)
     with lm.session(store=tmp_path / "s") as s:
-        calls = [0]
-
-        def press_ctrl_c(record):
-            calls[0] += 1
-            if calls[0] == 20:
-                os.kill(os.getpid(), signal.SIGINT)
-
         with pytest.raises(KeyboardInterrupt):
-            s.ingest_file(a, progress=press_ctrl_c)
+            s.ingest_file(a, progress=_ctrl_c_at(20))
         assert s.memory.documents()[0].bytes_done == a.stat().st_size
         s.ingest_file(b)
         tokens = s.tokens_ingested
@@ -132,15 +137,8 @@ def test_an_earlier_interrupted_document_is_refused_with_how_to_read_its_rest(tm
     a, b = _doc(tmp_path / "a.txt", n=6000, seed=1), _doc(tmp_path / "b.txt", n=200, seed=2)
     _, lm = tiny_pair("llama", CFG)
     s = lm.session(store=tmp_path / "s")
-    chunks = [0]
-
-    def press_ctrl_c(record):
-        chunks[0] += 1
-        if chunks[0] == 20:
-            os.kill(os.getpid(), signal.SIGINT)
-
     with pytest.raises(KeyboardInterrupt):
-        s.ingest_file(a, progress=press_ctrl_c)
+        s.ingest_file(a, progress=_ctrl_c_at(20))
     s.ingest_file(b)
     tokens = s.tokens_ingested
     done = s.memory.documents()[0].bytes_done
@@ -160,15 +158,8 @@ def test_ctrl_c_commits_and_the_same_call_resumes_exactly(tmp_path):
     expected = _reference(tmp_path, doc)
     _, lm = tiny_pair("llama", CFG)
     s = lm.session(store=tmp_path / "s")
-    chunks = [0]
-
-    def press_ctrl_c(record):
-        chunks[0] += 1
-        if chunks[0] == 20:
-            os.kill(os.getpid(), signal.SIGINT)  # delivered to the handler ingest_file installs
-
     with pytest.raises(KeyboardInterrupt):
-        s.ingest_file(doc, progress=press_ctrl_c)
+        s.ingest_file(doc, progress=_ctrl_c_at(20))
     committed = s.memory.committed_tokens
     assert 0 < committed < 2000
     s.close()
