@@ -368,6 +368,13 @@ def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def check_limits(budget_tokens: int | None, max_new_tokens: int | None) -> None:
+    """A reply's limits as a caller gives them (None: the config's); an answer of no tokens is a mistake."""
+    for name, value, least in (("budget_tokens", budget_tokens, 0), ("max_new_tokens", max_new_tokens, 1)):
+        if value is not None and value < least:
+            raise InputError(f"{name} must be {least} or more, got {value}")
+
+
 def stop_ids(tokenizer: Any) -> set[int]:
     eos = tokenizer.eos_token_id
     return {eos} if eos is not None else set()

@@ -154,7 +154,7 @@ class IngestRun:
                 f"{checked.path} was interrupted at byte {earlier.bytes_done:,} of {earlier.size_bytes:,}, and "
                 f"{later.name} was read after it: only the latest document resumes. Its first part stays in the "
                 f"store; to read the rest, ingest a file holding it (tail -c +{earlier.bytes_done + 1} "
-                f"{checked.path} > rest.txt)")
+                f"{checked.path} > rest.txt), and leave {checked.path} out of later ingests")
         document = DocumentProgress(name=str(checked.path.resolve()), size_bytes=checked.size_bytes,
                                     content_key=checked.content_key, token_start=token_start)
         return cls(checked.path, document)

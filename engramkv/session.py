@@ -160,10 +160,10 @@ class Session:
                     workers: int | None = None) -> IngestReport:
         """Stream a UTF-8 text file into the stream (checked first: a bad file changes nothing).
 
-        In a persistent session the document is recorded, commits carry its read position, and
-        running the same ingest again after an interruption (Ctrl-C, a kill, a full disk) resumes
-        where the last commit stopped; a file already ingested completely, whenever, is skipped. Ctrl-C is
-        honoured between chunks: the session commits, then `KeyboardInterrupt` propagates.
+        In a persistent session the document is recorded and commits carry its read position: the same ingest
+        run again after an interruption (Ctrl-C, a kill, a full disk) resumes where the last commit stopped, a
+        file already read whole is skipped, and an earlier document left unfinished is an `InputError` (only the
+        latest resumes). Ctrl-C is honoured between chunks: the session commits, then `KeyboardInterrupt` propagates.
 
         `workers` (default `shards.workers`) > 1 reads that many shards at once on Ray workers into an empty
         store namespace (`engramkv.sharding`); a document too short to cut is read here as usual.
@@ -268,10 +268,7 @@ class Session:
         the reply are a draft (`Reader.reading`), gone from the stream after the reply. The caller holds the session."""
         if not prompt_ids and self._reader.tokens == 0:
             raise EmptyInputError("nothing to continue: empty prompt and empty session")
-        if budget_tokens is not None and budget_tokens < 0:
-            raise InputError(f"budget_tokens must be 0 or more, got {budget_tokens}")
-        if max_new_tokens is not None and max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be 1 or more, got {max_new_tokens}")
+        chat.check_limits(budget_tokens, max_new_tokens)
         if theta is not None:
             self._answerer.check(theta)
         generation, recall = self.cfg.generation, self.cfg.recall

@@ -207,7 +207,7 @@ def test_calibrate_config_file_errors_are_clear(tmp_path, capsys):
 def test_calibrate_config_file_changes_only_the_fields_it_names(tmp_path):
     path = tmp_path / "centred.json"
     path.write_text('{"recall": {"answer_reading": "centred"}}')
-    cfg = cli._config_file(str(path))
+    cfg = cli.config_file(str(path))
     assert cfg.recall.answer_reading == "centred"
     assert cfg.recall.model_dump(exclude={"answer_reading"}) == EngineConfig().recall.model_dump(exclude={"answer_reading"})
 

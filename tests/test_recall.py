@@ -47,27 +47,34 @@ def test_gather_returns_events_in_the_given_order():
     assert keys[0, :, 0].tolist() == [0, 0, 0, 2, 2]
 
 
-@pytest.mark.parametrize("wrong", ["representatives", "key_summaries", "token_ids", "values"])
-def test_the_in_ram_memory_refuses_misaligned_parts_and_stays_as_it_was(wrong):
-    """Every part of an `add` must cover the same events: a short one is refused before anything is appended, so
-    the memory reads as before (the buffers would otherwise no longer line up with the events)."""
+def _whole_parts():
+    return {"keys": torch.ones(2, 2, 6, 4), "values": torch.ones(2, 2, 6, 4), "representatives": torch.ones(2, 2, 8),
+            "key_summaries": torch.zeros(2, 16), "token_ids": torch.zeros(6, dtype=torch.int32)}
+
+
+@pytest.mark.parametrize("part, shape", [
+    ("representatives", (1, 2, 8)), ("key_summaries", (1, 16)), ("token_ids", (5,)), ("values", (2, 2, 5, 4)),
+    ("keys", (2, 2, 6, 3)),  # another head size
+    ("keys", (2, 1, 6, 4)),  # one KV head: copy_ would broadcast it
+    ("representatives", (2, 2, 7)), ("key_summaries", (2, 15)),  # another width than the memory's
+])
+def test_the_in_ram_memory_refuses_misaligned_parts_and_stays_as_it_was(part, shape):
+    """Every part of an `add` must cover the same events, in the memory's shapes: a wrong one is refused before
+    anything is appended, so the memory reads as before (its buffers would otherwise no longer line up)."""
     from engramkv.errors import SessionError
 
     memory = _memory([3, 5])
     events = [Event(2, 8, 12, 1.0, 2.0), Event(3, 12, 14, 1.0, 2.0)]
-    parts = {"keys": torch.ones(2, 2, 6, 4), "values": torch.ones(2, 2, 6, 4),
-             "representatives": torch.ones(2, 2, 8), "key_summaries": torch.ones(2, 16),
-             "token_ids": torch.zeros(6, dtype=torch.int32)}
-    parts[wrong] = parts[wrong][:, :, :5] if wrong == "values" else parts[wrong][:-1]  # a token or an event short
-    with pytest.raises(SessionError, match="2 events of 6 tokens"):
+    parts = _whole_parts()
+    parts[part] = torch.ones(shape, dtype=parts[part].dtype)
+    with pytest.raises(SessionError, match=f"2 events of 6 tokens, given {part} "):
         memory.add(events, **parts)
     assert len(memory) == 2 and memory.shortest_event == 3
     keys, _ = memory.gather(1, [1])
     assert keys.shape == (2, 5, 4) and bool((keys == 1).all())
-    whole = {"keys": torch.ones(2, 2, 6, 4), "values": torch.ones(2, 2, 6, 4), "representatives": torch.ones(2, 2, 8),
-             "key_summaries": torch.zeros(2, 16), "token_ids": torch.zeros(6, dtype=torch.int32)}
-    memory.add(events, **whole)  # the same events, whole: the memory goes on from where it was
+    memory.add(events, **_whole_parts())  # the same events, whole: the memory goes on from where it was
     assert len(memory) == 4 and memory.gather(0, [2, 3])[0].shape == (2, 6, 4)
+    assert memory.search_keys(torch.zeros(16), 4)[0]  # the summaries stayed one row per event
 
 
 def test_contiguity_buffer_keeps_earlier_hits():

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from engramkv import ConfigError, EngramError, IngestProgress, InputError
+from engramkv.cli.options import config_file, output_file, read_text, with_options
 from engramkv.cli.parser import parser_for
 
 def load_model(name_or_path: str | None, quiet: bool = False) -> Any:
@@ -77,11 +78,11 @@ class _IngestBar:
 # ---------------------------------------------------------------------- commands
 def cmd_ingest(args: argparse.Namespace) -> int:
     lm = _model(args)
-    config = _config_file(args.config, lm.config) if args.config else lm.config
+    config = config_file(args.config, lm.config) if args.config else lm.config
     if args.codec is not None:
-        config = _with_options(config, ("store",), args, ("codec",))
+        config = with_options(config, ("store",), args, ("codec",))
     if args.workers is not None or args.ray_address is not None:
-        config = _with_options(config, ("shards",), args, ("workers", "ray_address"))
+        config = with_options(config, ("shards",), args, ("workers", "ray_address"))
     session = lm.session(config, store=args.store, user_id=args.user, agent_id=args.agent,
                          session_id=args.session)
     stored = session.memory.codec.split(":")[0]  # "lowrank:<bases digest>"
@@ -131,7 +132,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     config = lm.config
     if args.allocation is not None or args.coefficients is not None:
         given = argparse.Namespace(mode=args.allocation, coefficients=args.coefficients)
-        config = _with_options(config, ("allocation",), given, ("mode", "coefficients"),
+        config = with_options(config, ("allocation",), given, ("mode", "coefficients"),
                                {"mode": "--allocation", "coefficients": "--coefficients"})
     session = lm.session(config, store=args.store, user_id=args.user, agent_id=args.agent,
                          session_id=args.session, read_only=True)
@@ -170,9 +171,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from engramkv import EngineConfig, calibrate
 
-    base = _config_file(args.config) if args.config else EngineConfig()
-    cfg = _with_options(base, ("calibration",), args, ("tasks", "lengths", "samples", "design_size"))
-    out = _output_file(args.out)
+    base = config_file(args.config) if args.config else EngineConfig()
+    cfg = with_options(base, ("calibration",), args, ("tasks", "lengths", "samples", "design_size"))
+    out = output_file(args.out)
     if args.fit_only and args.refeature:
         raise InputError("--refeature measures features with the model; it cannot be combined with --fit-only")
     if args.model:
@@ -199,18 +200,19 @@ def cmd_fit_bases(args: argparse.Namespace) -> int:
 
     from engramkv import EngineConfig
 
-    out = _output_file(args.out)
+    out = output_file(args.out)
     if out.exists() and not args.force:
         raise InputError(f"{out} exists; pass --force to replace it")
-    texts = [_read_text(path) for path in args.text] if args.text else None
+    texts = [read_text(path) for path in args.text] if args.text else None
     names = ("tokens", "key_error", "early_key_error", "early_layers", "value_error", "heads_per_group",
              "weight_keys", "weight_values")
-    _with_options(_config_file(args.config) if args.config else EngineConfig(), ("store", "lowrank"), args, names)
+    with_options(config_file(args.config) if args.config else EngineConfig(), ("store", "lowrank"), args, names)
     lm = _model(args)  # the options are checked above: a wrong one is refused before the load, not after it
-    base = _config_file(args.config, lm.config) if args.config else lm.config
-    cfg = _with_options(base, ("store", "lowrank"), args, names)
+    base = config_file(args.config, lm.config) if args.config else lm.config
+    cfg = with_options(base, ("store", "lowrank"), args, names)
     bases = fit_lowrank_bases(lm, cfg, texts, progress=None if args.json else _progress_line)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         bases.save(out)
     except OSError as err:
         raise InputError(f"cannot write the bases to {out}: {err.strerror or err}") from err
@@ -225,81 +227,6 @@ def cmd_fit_bases(args: argparse.Namespace) -> int:
               f"fp16: {fp16}); held-out relative error {max(bases.errors[name]):.3f} at most")
     print(f"wrote {out}; use it with store.codec 'lowrank' and store.lowrank.bases")
     return 0
-
-
-def _config_file(path: str, base: Any = None) -> Any:
-    """`base` (default: a default `EngineConfig`) with the fields a JSON file names changed, at any depth."""
-    from pydantic import ValidationError
-
-    from engramkv import EngineConfig
-
-    def merged(into: dict[str, Any], changes: Any) -> dict[str, Any]:
-        if not isinstance(changes, dict):
-            raise ConfigError(f"--config {path}: expected a JSON object of config fields, got {changes!r}")
-        for key, value in changes.items():
-            both_sections = isinstance(value, dict) and isinstance(into.get(key), dict)
-            into[key] = merged(into[key], value) if both_sections else value
-        return into
-
-    try:
-        changes = json.loads(Path(path).read_text(encoding="utf-8"))
-        return EngineConfig.model_validate(merged((base or EngineConfig()).model_dump(), changes))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"--config {path}: cannot read a JSON config ({err})") from err
-    except ValidationError as err:
-        raise ConfigError(f"--config {path}: {_invalid(err)}") from err
-
-
-def _invalid(err: Any, options: dict[str, str] | None = None) -> str:
-    """A pydantic `ValidationError` on one line: each wrong field, by its dotted path or its command-line option,
-    and what it must be."""
-    options = options or {}
-    parts = []
-    for problem in err.errors():
-        where = ".".join(str(part) for part in problem["loc"])
-        parts.append(f"{options.get(str(problem['loc'][-1]), where)}: {problem['msg']}")
-    return "; ".join(parts)
-
-
-def _with_options(base: Any, section: tuple[str, ...], args: argparse.Namespace, names: tuple[str, ...],
-                  options: dict[str, str] | None = None) -> Any:
-    """`base` with the options in `names` that were given on the command line set in its `section`, validated;
-    `options`: the command-line spelling of a field, where it is not `--field-name`."""
-    from engramkv import EngineConfig
-
-    from pydantic import ValidationError
-
-    data = base.model_dump()
-    target = data
-    for key in section:
-        target = target[key]
-    target.update({name: getattr(args, name) for name in names if getattr(args, name) is not None})
-    try:
-        return EngineConfig.model_validate(data)
-    except ValidationError as err:
-        spelled = {name: "--" + name.replace("_", "-") for name in names}
-        raise ConfigError(_invalid(err, {**spelled, **(options or {})})) from err
-
-
-def _output_file(path: str) -> Path:
-    """`path` as a file the command can write once its work is done: checked (and its folder made) first."""
-    out = Path(path).expanduser()
-    if out.is_dir():
-        raise InputError(f"{out} is a directory; name the file to write")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise InputError(f"cannot create {out.parent} for {out}: {err.strerror or err}") from err
-    if not os.access(out.parent, os.W_OK):
-        raise InputError(f"cannot write in {out.parent}")
-    return out
-
-
-def _read_text(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise InputError(f"{path}: cannot read it as UTF-8 text ({err})") from err
 
 
 def _progress_line(line: str) -> None:

@@ -23,7 +23,6 @@ def _count(least: int, most: int | None = None) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
         return value
 
-    parse.__name__ = "count"  # argparse names the type in its messages
     return parse
 
 
@@ -170,14 +169,15 @@ def parser_for(commands: Mapping[str, Callable[[argparse.Namespace], int]]) -> a
                        "chat, recall, stats, namespaces; the OpenAPI schema at /openapi.json, interactive docs at "
                        "/docs). Bound to localhost by default; any other address needs an API token.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=_count(1, 65535), default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=_count(0, 65535), default=8000, help="port (default 8000)")
     p.add_argument("--token", default=None, help="API token every request must send as 'Authorization: Bearer "
                    "TOKEN' (default: $ENGRAMKV_API_TOKEN; required off localhost)")
     p.add_argument("--files-root", default=None, metavar="DIR", help="the directory whose files an ingest request "
                    "may name by path (default: none; requests send text)")
-    p.add_argument("--max-open", type=_count(1), default=8, metavar="N", help="namespaces held open at once (default 8; "
-                   "each keeps its window and its hot and warm tiers in RAM): a request to another closes the one "
-                   "used least recently, committed, and its next request reopens it")
+    p.add_argument("--max-open", type=_count(1), default=8, metavar="N",
+                   help="namespaces held open at once (default 8; each keeps its window and its hot and warm tiers "
+                   "in RAM): a request to another closes the one used least recently, committed, and its next "
+                   "request reopens it")
     p.add_argument("--store", default=DEFAULT_STORE, help=f"store directory (default {DEFAULT_STORE})")
     p.add_argument("--model", default=None,
                    help="hub id or local path of a Llama/Qwen2/Mistral model (default: the embedded one)")

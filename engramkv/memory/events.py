@@ -307,14 +307,17 @@ class InMemoryEventMemory(_NoPersistence):
             return
         if [e.id for e in events] != list(range(len(self.events), len(self.events) + len(events))):
             raise SessionError(f"event ids must be consecutive from {len(self.events)}: got {[e.id for e in events]}")
-        n_tokens = sum(e.length for e in events)
-        shapes = {"keys": keys.shape[2], "values": values.shape[2], "token ids": token_ids.shape[0]}
-        rows = {"representatives": representatives.shape[0], "key summaries": key_summaries.shape[0]}
-        wrong = [f"{n} tokens of {name}" for name, n in shapes.items() if n != n_tokens]
-        wrong += [f"{n} rows of {name}" for name, n in rows.items() if n != len(events)]
-        if wrong or values.shape != keys.shape:  # checked before anything is appended: the buffers stay aligned
-            raise SessionError(f"{len(events)} events of {n_tokens} tokens, given " + (", ".join(wrong) or
-                               f"keys {tuple(keys.shape)} and values {tuple(values.shape)}"))
+        # every shape checked before anything is appended: the buffers stay aligned with the events
+        n, e, width = sum(ev.length for ev in events), len(events), self._reps.after[0]
+        summary = (e, self._summaries.after[0]) if self._summaries is not None else (e, key_summaries.shape[-1])
+        expected = {"keys": (*self._keys.before, n, *self._keys.after), "token_ids": (n,),
+                    "representatives": (e, self.num_layers, width), "key_summaries": summary}
+        given = {"keys": keys, "token_ids": token_ids, "representatives": representatives,
+                 "key_summaries": key_summaries, "values": values}
+        wrong = [f"{name} {tuple(given[name].shape)}, not {want}" for name, want in
+                 {**expected, "values": expected["keys"]}.items() if tuple(given[name].shape) != want]
+        if wrong:
+            raise SessionError(f"{e} events of {n} tokens, given " + ", ".join(wrong))
         offset = self._keys.size
         for event in events:
             self._offsets.append(offset)
