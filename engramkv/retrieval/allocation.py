@@ -341,8 +341,8 @@ def load_model(cfg: AllocationConfig, model_id: str) -> AllocationModel | None:
     if cfg.mode == "auto" and not cfg.coefficients and not path.is_file():
         return None
     if not path.is_file():
-        what = "a directory, not a file" if path.is_dir() else "no such file"
-        raise ConfigError(f"allocation.mode '{cfg.mode}' needs fitted coefficients: {path} is {what}; "
+        what = f"{path} is a directory, not a file" if path.is_dir() else f"no file {path}"
+        raise ConfigError(f"allocation.mode '{cfg.mode}' needs fitted coefficients: {what}; "
                           "fit them with `engramkv calibrate` and pass allocation.coefficients")
     try:
         data = json.loads(path.read_text())
