@@ -141,13 +141,12 @@ class IngestRun:
         one.
         """
         same = [d for d in documents if d.content_key == checked.content_key]
-        if documents and documents[-1].content_key == checked.content_key:
-            last = documents[-1]
-            return cls(checked.path, last, resumed_from=last.bytes_done)
-        for earlier in same:
-            # all of its text tokenised: the tokens an interruption left queued were read before the next document
-            if earlier.complete or earlier.bytes_done >= earlier.size_bytes:
-                return cls(checked.path, dataclasses.replace(earlier, complete=True))
+        if same and same[-1] is documents[-1]:
+            return cls(checked.path, same[-1], resumed_from=same[-1].bytes_done)
+        # all of its text tokenised: the tokens an interruption left queued were read before the next document
+        read = next((d for d in same if d.complete or d.bytes_done >= d.size_bytes), None)
+        if read is not None:
+            return cls(checked.path, dataclasses.replace(read, complete=True))
         if same:
             earlier, later = same[-1], documents[-1]
             raise InputError(

@@ -196,9 +196,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_fit_bases(args: argparse.Namespace) -> int:
-    from engramkv import fit_lowrank_bases
-
-    from engramkv import EngineConfig
+    from engramkv import EngineConfig, fit_lowrank_bases
 
     out = output_file(args.out)
     if out.exists() and not args.force:

@@ -51,9 +51,9 @@ def with_options(base: Any, section: tuple[str, ...], args: argparse.Namespace, 
                   options: dict[str, str] | None = None) -> Any:
     """`base` with the options in `names` that were given on the command line set in its `section`, validated;
     `options`: the command-line spelling of a field, where it is not `--field-name`."""
-    from engramkv import EngineConfig
-
     from pydantic import ValidationError
+
+    from engramkv import EngineConfig
 
     data = base.model_dump()
     target = data

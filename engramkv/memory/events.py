@@ -308,14 +308,14 @@ class InMemoryEventMemory(_NoPersistence):
         if [e.id for e in events] != list(range(len(self.events), len(self.events) + len(events))):
             raise SessionError(f"event ids must be consecutive from {len(self.events)}: got {[e.id for e in events]}")
         # every shape checked before anything is appended: the buffers stay aligned with the events
-        n, e, width = sum(ev.length for ev in events), len(events), self._reps.after[0]
-        summary = (e, self._summaries.after[0]) if self._summaries is not None else (e, key_summaries.shape[-1])
-        expected = {"keys": (*self._keys.before, n, *self._keys.after), "token_ids": (n,),
-                    "representatives": (e, self.num_layers, width), "key_summaries": summary}
-        given = {"keys": keys, "token_ids": token_ids, "representatives": representatives,
-                 "key_summaries": key_summaries, "values": values}
-        wrong = [f"{name} {tuple(given[name].shape)}, not {want}" for name, want in
-                 {**expected, "values": expected["keys"]}.items() if tuple(given[name].shape) != want]
+        n, e = sum(ev.length for ev in events), len(events)
+        kv = (*self._keys.before, n, *self._keys.after)
+        width = self._summaries.after[0] if self._summaries is not None else key_summaries.shape[-1]
+        expected = {"keys": (keys, kv), "values": (values, kv), "token_ids": (token_ids, (n,)),
+                    "representatives": (representatives, (e, self.num_layers, *self._reps.after)),
+                    "key_summaries": (key_summaries, (e, width))}
+        wrong = [f"{name} {tuple(part.shape)}, not {want}" for name, (part, want) in expected.items()
+                 if tuple(part.shape) != want]
         if wrong:
             raise SessionError(f"{e} events of {n} tokens, given " + ", ".join(wrong))
         offset = self._keys.size
