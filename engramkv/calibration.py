@@ -74,7 +74,7 @@ def answer_path(cfg: EngineConfig) -> dict[str, Any]:
     its hits): coefficients predict answers of their path, so a change of these defaults needs a new calibration."""
     g = cfg.generation
     return {"chat_format": g.chat_format, "answer_start": g.answer_start, "answer_forms": chat.ANSWER_FORMS,
-            "min_new_tokens": g.min_new_tokens, "temperature": g.temperature,
+            "min_new_tokens": g.min_new_tokens, "temperature": g.temperature, "question_span": g.question_span,
             "answer_reading": cfg.recall.answer_reading, "answer_layout": cfg.recall.answer_layout}
 
 

@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from engramkv import answering, chat, sharding
+from engramkv import answering, chat, sampling, sharding
 from engramkv.config import EngineConfig
 from engramkv.documents import IngestRun, check_document, tokenize_pieces
 from engramkv.engine.state import EpisodicState
@@ -273,7 +273,7 @@ class Session:
             self._answerer.check(theta)
         generation, recall = self.cfg.generation, self.cfg.recall
         max_new = max_new_tokens if max_new_tokens is not None else generation.max_new_tokens
-        stop = chat.stop_ids(self.lm.tokenizer)
+        stop = sampling.stop_ids(self.lm.tokenizer)
         limit = budget_tokens if budget_tokens is not None else recall.answer_context_tokens
         matching = recall.enabled and recall.question_match == "keys" and len(self.memory) > 0
         plan = self.last_plan = self._answerer.read_turn(self._reader, prompt_ids, preamble_ids,
@@ -283,7 +283,7 @@ class Session:
         with self._reader.reading(plan, prompt_ids, draft):
             if question_span is not None and plan.events is None:
                 self.last_recalled = _attended_events(self.state, self.memory, self.lm.tokenizer)
-            return (yield from chat.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),
+            return (yield from sampling.sample(self.state.last_logits, lambda token: self._reader.decode(token, plan),
                                            max_new, stop, generation))
 
     def ask_many(self, questions: Sequence[str], total_tokens: int, max_new_tokens: int | None = None) -> list[Answer]:

@@ -8,7 +8,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "engramkv"
 
 # Each layer and the layers it may import (directly). The floors of DESIGN.md:
-# cli/tui -> public API -> lm -> session -> {chat, engine, retrieval, storage} -> memory -> {config, errors, spec};
+# cli/tui -> public API -> lm -> session -> {chat, sampling, engine, retrieval, storage} -> memory -> {config, errors, spec};
 # kernels (each with its PyTorch twin) sit under memory, hf, engine and storage; hf is for lm and engine, and for
 # the fits that measure the model itself (calibration, lowrank_fit). tasks score a reply cut as chat cuts it.
 ALLOWED = {
@@ -23,12 +23,13 @@ ALLOWED = {
     "documents": {"errors", "memory", "results"},
     "results": {"memory"},
     "chat": {"config", "errors"},
+    "sampling": {"config", "errors"},
     "hf": {"kernels", "config", "errors", "spec"},
     "engine": {"memory", "retrieval", "hf", "kernels", "config", "errors", "spec"},
     "reading": {"engine", "retrieval", "memory", "documents", "results", "config", "errors"},
     "answering": {"chat", "reading", "engine", "retrieval", "memory", "config", "errors"},
     "sharding": {"engine", "storage", "memory", "documents", "results", "config", "errors"},
-    "session": {"answering", "chat", "reading", "sharding", "engine", "retrieval", "memory", "documents", "results", "config", "errors", "spec"},
+    "session": {"answering", "chat", "sampling", "reading", "sharding", "engine", "retrieval", "memory", "documents", "results", "config", "errors", "spec"},
     "calibration": {"lm", "hf", "answering", "chat", "retrieval", "tasks", "config", "errors"},
     "lm": {"session", "storage", "memory", "hf", "config", "errors", "spec"},
     "lowrank_fit": {"lm", "hf", "storage", "config", "errors"},

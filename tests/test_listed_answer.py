@@ -160,7 +160,7 @@ def test_a_draft_with_recall_on_leaves_the_stream_as_it_was():
 
 @pytest.mark.parametrize("model_ended, shown", [(True, " 5\n 6"), (False, " 5\n")])
 def test_a_list_cut_by_the_token_limit_loses_its_half_written_last_item(model_ended, shown):
-    def tokens():  # what `chat.sample` yields: "5", a new line, "6", then how the reply ended
+    def tokens():  # what `sampling.sample` yields: "5", a new line, "6", then how the reply ended
         yield from (5, 8, 6)
         return model_ended
 

@@ -241,7 +241,7 @@ def test_a_blank_line_after_a_colon_does_not_end_a_qa_reply(monkeypatch):
 
 
 def test_a_reply_is_never_empty_unless_configured():
-    from engramkv import chat
+    from engramkv import sampling
     from engramkv.config import GenerationConfig
 
     eos = 0
@@ -249,7 +249,7 @@ def test_a_reply_is_never_empty_unless_configured():
     after = torch.tensor([[9.0, 1.0, 2.0]])  # then the stop token again
 
     def reply(cfg):
-        return list(chat.sample(first, lambda token: after, 8, {eos}, cfg))
+        return list(sampling.sample(first, lambda token: after, 8, {eos}, cfg))
 
     assert reply(GenerationConfig(min_new_tokens=0)) == []
     assert reply(GenerationConfig()) == [1]  # default 1: the next best token, then the stop token ends it

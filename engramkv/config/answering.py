@@ -110,6 +110,10 @@ class GenerationConfig(_Strict):
         "How `chat` renders a turn. 'qa': 'Question: ...\nAnswer:', the reply ending at a blank line (not one "
         "after a colon). 'template': the model's chat template. Measured on the embedded 135M model: under its "
         "template it answers from its own weights and ignores recalled events that it uses in the 'qa' form."))
+    question_span: Literal["message", "quoted"] = Field(default="quoted", description=(
+        "What of a chat message recall matches against memory: 'message', all of it; 'quoted', where it quotes "
+        "something (between double quotes or backticks), what it quotes (an identifier such as a UUID: the words "
+        "around it would match any text that shares them)."))
     answer_start: Literal["none", "echo", "list"] = Field(default="echo", description=(
         "'echo': `chat` begins the answer to 'What is/are X?' as 'X is/are' (in the answerer's person), as a benchmark "
         "prompt does; 'What are all X?' is drafted as a bulleted list, answered with its items: 'X are: a, b.'. "
