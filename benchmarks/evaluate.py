@@ -24,7 +24,7 @@ import dataclasses
 import json
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +158,21 @@ def run_settings(runs: list[dict[str, Any]]) -> set[str]:
     return {json.dumps(r.get("segmentation", {}), sort_keys=True) for r in runs}
 
 
+def segmentation_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """What the report says of the runs' `--segmentation` fields. From the runs, not args: relabel.py and rescore.py
+    save files they did not run, and relabel.py can move runs read with the fields set explicitly (as the grid's
+    segmentation, the defaults before the floor, once the floor became the default) into a file of defaults."""
+    counts = Counter(json.dumps(r.get("segmentation", {}), sort_keys=True) for r in runs)
+    if not counts or list(counts) == ["{}"]:
+        return []
+    if len(counts) == 1:
+        return [f"Every engramkv system read its documents with these segmentation fields: {next(iter(counts))} "
+                "(`--segmentation`; the configurations in the JSON have them).", ""]
+    explicit = "; ".join(f"{n} runs with {setting}" for setting, n in sorted(counts.items()) if setting != "{}")
+    return [f"The runs read their documents with the segmentation defaults of their commit, except {explicit} "
+            "(`--segmentation`, recorded in each such run).", ""]
+
+
 def check_segmentation(runs: list[dict[str, Any]], segmentation: dict[str, Any]) -> None:
     """Refuse to keep runs read with other `--segmentation` fields than this command's: one file, one setting."""
     other = run_settings(runs) - {json.dumps(segmentation, sort_keys=True)}
@@ -231,11 +246,7 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
              + ". Score: share of the expected answers in the reply, averaged over the samples of a cell "
              "(in brackets: n; the 95% Wilson interval of the mean score over n); `-`: not run.", ""]
     notes = getattr(args, "notes", {})
-    # From the runs, not args: relabel.py and rescore.py save files they did not run (one setting per file).
-    segmentation = json.loads(max(run_settings(runs), key=len, default="{}"))  # one per file (check_segmentation)
-    if segmentation:
-        lines += [f"Every engramkv system read its documents with these segmentation fields: {segmentation} "
-                  "(`--segmentation`; the configurations in the JSON have them).", ""]
+    lines += segmentation_lines(runs)
     if "commit_of_file" in notes:  # a grid begun before runs recorded their commit
         lines += [f"Runs without a `commit` in {args.name}.json ran before commits were recorded; the file was "
                         f"added in commit {notes['commit_of_file'][:7]}.", ""]
@@ -289,6 +300,7 @@ def save(args: argparse.Namespace, model_id: str, runs: list[dict[str, Any]], co
                     lines.append(f"| {system} | {n:,} | {_mean([r['score'] for r in mine]):.2f} | "
                                  f"{_mean([r['answers_in_recalled'] for r in mine]):.2f} |")
     payload = {**notes, "model": model_id, "commands": commands, "runs": runs}
+    segmentation = json.loads(max(run_settings(runs), key=len, default="{}"))  # the explicit fields, where set
     configs = {system: system_config(system, segmentation) for system in systems}
     write_results(args.out, args.name, payload, "\n".join(lines) + "\n", configs)
     if plot:

@@ -312,3 +312,13 @@ def test_accuracy_cells_carry_n_and_a_wilson_interval():
     lo, hi = evaluate.wilson(0.5, 20)
     assert (round(lo, 3), round(hi, 3)) == (0.299, 0.701)  # the textbook 10/20 interval
     assert evaluate.wilson(0.0, 1)[0] == 0.0 and evaluate.wilson(1.0, 1)[1] == 1.0
+
+
+def test_the_report_names_the_segmentation_of_the_runs_that_set_it():
+    evaluate = passkey_preset.evaluate
+    floor = {"min_surprise": 1.0, "predicted_event": 32}
+    assert evaluate.segmentation_lines([{"seed": 0}]) == []
+    assert "Every engramkv system" in evaluate.segmentation_lines([{"seed": 0, "segmentation": floor}])[0]
+    mixed = evaluate.segmentation_lines([{"seed": 0}, {"seed": 1, "segmentation": floor}] * 2)[0]
+    assert mixed.startswith("The runs read their documents with the segmentation defaults of their commit, except "
+                            '2 runs with {"min_surprise": 1.0, "predicted_event": 32}')
