@@ -46,3 +46,13 @@ def test_refuses_files_of_mixed_or_no_settings(tmp_path):
     for name in ("plain", "mixed"):
         with pytest.raises(SystemExit, match="one --segmentation setting"):
             segmentation_ab.main(["--setting", name, "--default", "default", "--dir", str(tmp_path), "--name", "x"])
+
+
+def test_default_runs_may_set_the_grids_own_segmentation_but_no_other(tmp_path):
+    grid = {"min_surprise": 0, "predicted_event": None}
+    _write(tmp_path, "floor", [_run("engram", 0, 1.0, segmentation=FLOOR)])
+    _write(tmp_path, "grid", [_run("engram", 0, 0.0), _run("engram", 1, 1.0, segmentation=grid)])
+    segmentation_ab.main(["--setting", "floor", "--default", "grid", "--dir", str(tmp_path), "--name", "ab"])
+    _write(tmp_path, "other", [_run("engram", 0, 0.0, segmentation=FLOOR)])
+    with pytest.raises(SystemExit, match="other than the grid's"):
+        segmentation_ab.main(["--setting", "floor", "--default", "other", "--dir", str(tmp_path), "--name", "x"])
