@@ -155,14 +155,19 @@ def run_grid(args: argparse.Namespace, models: Models, model_id: str, runs: list
 
 def run_settings(runs: list[dict[str, Any]]) -> set[str]:
     """The `--segmentation` settings the runs were read with, as sorted JSON ('{}': the default)."""
-    return {json.dumps(r.get("segmentation", {}), sort_keys=True) for r in runs}
+    return {run_setting(r) for r in runs}
+
+
+def run_setting(run: dict[str, Any]) -> str:
+    """The `--segmentation` fields one run was read with, as sorted JSON ('{}': the default of its commit)."""
+    return json.dumps(run.get("segmentation", {}), sort_keys=True)
 
 
 def segmentation_lines(runs: list[dict[str, Any]]) -> list[str]:
     """What the report says of the runs' `--segmentation` fields. From the runs, not args: relabel.py and rescore.py
     save files they did not run, and relabel.py can move runs read with the fields set explicitly (as the grid's
     segmentation, the defaults before the floor, once the floor became the default) into a file of defaults."""
-    counts = Counter(json.dumps(r.get("segmentation", {}), sort_keys=True) for r in runs)
+    counts = Counter(run_setting(r) for r in runs)
     if not counts or list(counts) == ["{}"]:
         return []
     if len(counts) == 1:
